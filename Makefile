@@ -1,0 +1,40 @@
+# quantkit: `make demo` runs the main job end to end on the demo model; `make test` runs the tests.
+# Both install everything first (a .venv with the CPU build of torch, then quantkit with its extras).
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+DEMO_OUT := out/demo-smollm2-w4a16
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+# torch==2.13.0 first: that exact version is the CPU build on this machine's disk; an unpinned
+# torch (asked for by us or by a dependency) would pull a multi-GB CUDA build. After it, the
+# package's `torch>=2.4` is already satisfied.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[gguf,triton,dev]'
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/quantkit models fetch smollm2-135m
+	$(BIN)/quantkit quantize smollm2-135m --recipe rtn-w4a16 --set stages.0.scheme.group_size=64 \
+		-o $(DEMO_OUT) --overwrite
+	$(BIN)/quantkit eval ppl smollm2-135m $(DEMO_OUT) --max-windows 8
+	$(BIN)/quantkit generate $(DEMO_OUT) "It is a truth universally acknowledged" --max-new-tokens 48
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+test-fast: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
+
+bench: install
+	$(BIN)/python bench/quantize.py --help
+
+clean:
+	rm -rf $(VENV) out build *.egg-info

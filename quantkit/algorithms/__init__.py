@@ -1,0 +1,1 @@
+"""Quantization algorithms, each a plugin registered in `quantkit.registry.ALGORITHMS`."""

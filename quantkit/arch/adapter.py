@@ -1,0 +1,54 @@
+"""The ArchitectureAdapter contract and the lookup from a model's `model_type` to its adapter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from quantkit.errors import UnsupportedArchitectureError
+from quantkit.registry import ARCHITECTURES
+
+
+@dataclass(frozen=True)
+class ArchitectureAdapter:
+    """How quantkit walks one model family.
+
+    `linear_groups` lists, per decoder layer, the linears (relative names) that read the same
+    input; algorithms that collect input statistics (GPTQ Hessians) share them within a group.
+    """
+
+    model_type: str
+    layers_path: str = "model.layers"
+    linear_groups: tuple[tuple[str, ...], ...] = (
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("self_attn.o_proj",),
+        ("mlp.gate_proj", "mlp.up_proj"),
+        ("mlp.down_proj",),
+    )
+    needs_bos: bool = False  # evaluation windows must start with BOS (Gemma: ppl ~36 vs ~89)
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        obj = model
+        for part in self.layers_path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                raise UnsupportedArchitectureError(
+                    f"model of type {self.model_type!r} has no {self.layers_path!r}; "
+                    "its adapter does not match this checkpoint"
+                )
+        return obj
+
+    def linear_names(self) -> list[str]:
+        return [name for group in self.linear_groups for name in group]
+
+
+def adapter_for(model_type: str) -> ArchitectureAdapter:
+    """The registered adapter for a `config.model_type`, or an error listing the known ones."""
+    if model_type not in ARCHITECTURES:
+        known = ", ".join(ARCHITECTURES.names())
+        raise UnsupportedArchitectureError(
+            f"architecture {model_type!r} is not supported; supported architectures: {known}. "
+            "A plugin can add one through the 'quantkit.plugins' entry point group."
+        )
+    return ARCHITECTURES.get(model_type)

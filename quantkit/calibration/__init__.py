@@ -1,0 +1,1 @@
+"""Calibration: text sources, deterministic token chunks, and capturing decoder-layer inputs."""

@@ -1,0 +1,69 @@
+"""Capture what each decoder layer receives, so layers can be run one at a time.
+
+One model forward per batch runs with every decoder layer's `forward` temporarily replaced by
+a recorder: layer 0's hidden states and every layer's keyword arguments (attention masks,
+rotary embeddings: they differ per layer type, e.g. Gemma's sliding vs full attention) are
+kept; the recorders pass hidden states through unchanged, and the last one stops the forward
+so the final norm and LM head never run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class _StopForward(Exception):
+    pass
+
+
+@dataclass
+class LayerInputs:
+    hidden: list[torch.Tensor]  # per batch: [batch, seq, hidden] input of the current layer
+    kwargs: list[list[dict]]  # [layer][batch] keyword arguments of each layer call
+
+
+@torch.no_grad()
+def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor]) -> LayerInputs:
+    hidden: list[torch.Tensor] = []
+    kwargs: list[list[dict]] = [[] for _ in layers]
+    last = len(layers) - 1
+
+    def recorder(index: int):
+        def forward(*args, **kw):
+            h = args[0] if args else kw.pop("hidden_states")
+            kw = {k: v for k, v in kw.items() if k not in ("cache", "past_key_values", "past_key_value")}
+            kw["use_cache"] = False
+            kwargs[index].append(kw)
+            if index == 0:
+                hidden.append(h)
+            if index == last:
+                raise _StopForward
+            return h
+
+        return forward
+
+    for i, layer in enumerate(layers):
+        layer.forward = recorder(i)
+    try:
+        for ids in batches:
+            try:
+                model(input_ids=ids, use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        for layer in layers:
+            del layer.forward  # drop the instance attribute: the class forward is back
+    return LayerInputs(hidden, kwargs)
+
+
+def run_layer(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:
+    """The layer's outputs for every batch."""
+    outs = []
+    with torch.no_grad():
+        for h, kw in zip(hidden, kwargs):
+            out = layer(h, **kw)
+            outs.append(out[0] if isinstance(out, tuple) else out)
+    return outs

@@ -1,0 +1,86 @@
+"""Text sources (shipped names, local .txt/.jsonl/.parquet, hub datasets) and seeded token chunks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from quantkit.errors import CalibrationDataError
+from quantkit.paths import CALIBRATION_DIR, EVAL_DATA_DIR
+
+LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def shipped_texts() -> dict[str, Path]:
+    """Texts shipped with quantkit, by name: calibration_data/*.txt and evals/data/*.txt."""
+    return {p.stem: p for d in (CALIBRATION_DIR, EVAL_DATA_DIR) for p in sorted(d.glob("*.txt"))}
+
+
+def load_text(dataset: str, text_column: str = "text") -> str:
+    """All text of a dataset, documents joined by blank lines."""
+    shipped = shipped_texts()
+    if dataset in shipped:
+        return shipped[dataset].read_text(encoding="utf-8")
+    path = Path(dataset).expanduser()
+    if path.exists():
+        if path.suffix not in LOCAL_SUFFIXES:
+            raise CalibrationDataError(
+                f"dataset file {dataset!r}: unsupported type {path.suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}"
+            )
+        if path.suffix == ".txt":
+            return path.read_text(encoding="utf-8")
+        return _join_column(_load_datasets(LOCAL_SUFFIXES[path.suffix], {"data_files": str(path)}, dataset), text_column, dataset)
+    if dataset.startswith((".", "/", "~")) or Path(dataset).suffix in LOCAL_SUFFIXES:
+        raise CalibrationDataError(f"dataset file {dataset!r} does not exist (shipped texts: {', '.join(shipped)})")
+    return _join_column(_load_datasets(dataset, {}, dataset), text_column, dataset)
+
+
+def _load_datasets(builder: str, kwargs: dict, label: str):
+    try:
+        import datasets
+
+        return datasets.load_dataset(builder, split="train", **kwargs)
+    except Exception as exc:
+        raise CalibrationDataError(
+            f"dataset {label!r} could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            f"pass a local .txt/.jsonl/.parquet file or a shipped text ({', '.join(shipped_texts())})"
+        ) from None
+
+
+def _join_column(ds, column: str, label: str) -> str:
+    if column not in ds.column_names:
+        raise CalibrationDataError(
+            f"dataset {label!r} has no column {column!r} (columns: {', '.join(ds.column_names)}); "
+            "set calibration.text_column"
+        )
+    return "\n\n".join(str(t) for t in ds[column] if t)
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """Token ids of `text` without special tokens. [n] int64"""
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def make_chunks(
+    ids: torch.Tensor, num_samples: int, seq_len: int, seed: int, bos_id: Optional[int] = None, label: str = "text"
+) -> torch.Tensor:
+    """`num_samples` non-overlapping windows of `seq_len` tokens, chosen by a seeded permutation.
+
+    With `bos_id`, each window is BOS followed by seq_len - 1 text tokens. Returns [num_samples, seq_len].
+    """
+    body = seq_len - (1 if bos_id is not None else 0)
+    available = ids.numel() // body
+    if available < num_samples:
+        raise CalibrationDataError(
+            f"calibration text {label!r} has {ids.numel()} tokens, enough for {available} chunks of "
+            f"{seq_len} tokens, but {num_samples} were asked for ({num_samples * body} tokens); "
+            "lower calibration.num_samples or calibration.seq_len, or use a longer text"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randperm(available, generator=gen)[:num_samples].sort().values
+    chunks = ids[: available * body].reshape(available, body)[picks]  # [num_samples, body]
+    if bos_id is not None:
+        chunks = torch.cat([torch.full((num_samples, 1), bos_id, dtype=torch.long), chunks], dim=1)
+    return chunks

@@ -1,0 +1,50 @@
+"""The `quantkit` command line: a click group whose commands live in the sibling modules."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+
+import click
+
+from quantkit import __version__
+from quantkit.errors import QuantkitError
+
+
+class _Group(click.Group):
+    """Prints QuantkitError as a one-line error (exit 2) instead of a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except QuantkitError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="quantkit")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+def main(verbose: int) -> None:
+    """quantkit: quantize LLMs into compressed-tensors checkpoints, evaluate and run them.
+
+    \b
+    Examples:
+      quantkit models fetch smollm2-135m
+      quantkit quantize --recipe rtn-w4a16 --set stages.0.scheme.group_size=64 -o smollm2-w4
+      quantkit eval ppl smollm2-135m smollm2-w4
+      quantkit generate smollm2-w4 "It is a truth universally acknowledged"
+    """
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
+
+
+def _register() -> None:
+    from quantkit.cli import convert, eval_cmd, generate, models, plugins, quantize, recipes
+
+    for module in (convert, eval_cmd, generate, models, plugins, quantize, recipes):
+        main.add_command(module.command)
+
+
+_register()

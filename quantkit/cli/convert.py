@@ -1,0 +1,32 @@
+"""`quantkit convert`: turn other model formats into Hugging Face safetensors checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.group("convert")
+def command():
+    """Convert models from other formats."""
+
+
+@command.command("gguf")
+@click.argument("file", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+def gguf(file, output, dtype, overwrite):
+    """Dequantize the GGUF model FILE into a safetensors checkpoint.
+
+    \b
+    Example:
+      quantkit convert gguf SmolLM2-135M-Instruct.Q4_1.gguf -o ./smollm2
+    """
+    import torch
+
+    from quantkit.models.gguf import convert_gguf
+
+    convert_gguf(file, output, getattr(torch, dtype), overwrite)
+    click.echo(f"Wrote {output}")

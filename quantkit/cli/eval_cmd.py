@@ -1,0 +1,41 @@
+"""`quantkit eval ppl`: perplexity of one or more checkpoints, with deltas against a baseline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.group("eval")
+def command():
+    """Evaluate checkpoints."""
+
+
+@command.command("ppl")
+@click.argument("models", nargs=-1, required=True)
+@click.option("--baseline", help="Model the deltas are measured against [default: the first MODEL].")
+@click.option("--dataset", default="emma", show_default=True, help="Shipped text name (emma, persuasion, ...) or a .txt/.jsonl/.parquet file.")
+@click.option("--text-column", default="text", show_default=True, help="Text column for .jsonl/.parquet/hub datasets.")
+@click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(min=2), help="Tokens per window.")
+@click.option("--max-windows", default=16, show_default=True, type=click.IntRange(min=0), help="Windows to score (0 = all).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the results as JSON.")
+@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path, no_progress):
+    """Perplexity of MODELS on a text (the protocol is in evals/PROTOCOL.md).
+
+    \b
+    Examples:
+      quantkit eval ppl smollm2-135m ./smollm2-w4
+      quantkit eval ppl ./q1 ./q2 --baseline smollm2-135m --max-windows 4 --json ppl.json
+      quantkit eval ppl gemma3-270m --dataset persuasion --seq-len 1024
+    """
+    from quantkit.eval.report import evaluate_many, format_table
+
+    names = ([baseline] if baseline else []) + [m for m in models if m != baseline]
+    rows = evaluate_many(names, dataset, text_column, seq_len, max_windows or None, progress=not no_progress)
+    click.echo(format_table(rows))
+    if json_path:
+        json_path.write_text(json.dumps({"dataset": dataset, "seq_len": seq_len, "results": rows}, indent=2) + "\n")
+        click.echo(f"Wrote {json_path}")

@@ -1,0 +1,39 @@
+"""`quantkit quantize`: run a recipe on a model and write a compressed-tensors checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("quantize")
+@click.argument("model", required=False)
+@click.option("-r", "--recipe", "recipe_name", required=True, help="Recipe name (see `quantkit recipes`) or YAML file.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Output directory [default: ./<model>-<recipe>].")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field, e.g. stages.0.scheme.group_size=64 (repeatable).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--no-progress", is_flag=True, help="Hide the per-layer progress bar.")
+def command(model, recipe_name, output, overrides, overwrite, no_progress):
+    """Quantize MODEL (local directory, demo name or hub id; default smollm2-135m).
+
+    \b
+    Examples:
+      quantkit quantize --recipe rtn-w4a16 --set stages.0.scheme.group_size=64
+      quantkit quantize ./my-llama --recipe rtn-w8a16 -o ./my-llama-w8
+      quantkit quantize gemma3-270m --recipe my-recipe.yaml --overwrite
+    """
+    from quantkit.quantize import quantize
+    from quantkit.recipe import load_recipe
+
+    recipe = load_recipe(recipe_name, list(overrides))
+    report = quantize(model, recipe, output, overwrite=overwrite, progress=not no_progress)
+    layers = report.result.layers
+    click.echo(f"Quantized {len(layers)} linear layers of {report.source} with recipe {recipe.name} "
+               f"in {report.seconds:.1f} s")
+    if layers:
+        worst = sorted(layers, key=lambda r: r["sqnr_db"])[:3]
+        mean = sum(r["sqnr_db"] for r in layers) / len(layers)
+        click.echo(f"Weight SQNR: mean {mean:.2f} dB; lowest: " +
+                   ", ".join(f"{r['name']} {r['sqnr_db']:.2f} dB" for r in worst))
+    click.echo(f"Wrote {report.output}")

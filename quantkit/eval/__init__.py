@@ -1,0 +1,1 @@
+"""Evaluation: perplexity over fixed text windows, with deltas against a baseline."""

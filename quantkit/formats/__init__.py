@@ -1,0 +1,1 @@
+"""Checkpoint formats: how quantized modules are laid out on disk and described in config.json."""

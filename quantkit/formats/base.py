@@ -1,0 +1,47 @@
+"""The QuantFormat contract: one compressed-tensors format name <-> one quantized module type."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantizationError
+from quantkit.quant.intq import QuantizedWeight
+from quantkit.registry import FORMATS
+from quantkit.schemes import QuantScheme
+
+
+class QuantFormat(ABC):
+    """A named, versioned on-disk layout for quantized linear modules."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def supports(self, scheme: QuantScheme) -> bool: ...
+
+    @abstractmethod
+    def build_module(self, qw: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
+        """The in-memory quantized module holding `qw` (its state_dict is what is saved)."""
+
+    @abstractmethod
+    def empty_module(self, linear: nn.Linear, scheme: QuantScheme, scale_dtype: torch.dtype) -> nn.Module:
+        """A module shaped like `linear`, ready for `load_state_dict` from a checkpoint."""
+
+    @abstractmethod
+    def weights_config(self, scheme: QuantScheme) -> dict:
+        """The `weights` entry of a config group (compressed-tensors QuantizationArgs)."""
+
+    @abstractmethod
+    def scheme_from_config(self, group: str, weights: dict) -> QuantScheme:
+        """Parse a config group's `weights`, rejecting what this format cannot run."""
+
+
+def format_for(scheme: QuantScheme) -> QuantFormat:
+    """The registered format that stores `scheme`."""
+    for entry in FORMATS.entries():
+        if entry.obj.supports(scheme):
+            return entry.obj
+    raise QuantizationError(f"no registered checkpoint format stores scheme {scheme.short()}")

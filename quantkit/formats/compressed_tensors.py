@@ -1,0 +1,110 @@
+"""The `quantization_config` block of compressed-tensors checkpoints: writing it and reading it back.
+
+The config is the contract: the loader decides which module is quantized how from
+`config_groups` and `ignore` alone, never from tensor names.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from quantkit.errors import CheckpointError, UnknownNameError
+from quantkit.formats.base import QuantFormat
+from quantkit.registry import FORMATS
+from quantkit.schemes import QuantScheme
+from quantkit.targets import matches
+
+log = logging.getLogger(__name__)
+QUANT_METHOD = "compressed-tensors"
+FORMAT_VERSION = "0.19.0"  # the compressed-tensors release whose layout we write
+
+
+def build_quantization_config(model: nn.Module, quantized: dict[str, tuple[QuantFormat, QuantScheme]]) -> dict:
+    """config.json's quantization_config for a model whose modules in `quantized` are quantized."""
+    by_group: dict[tuple[str, QuantScheme], list[str]] = {}
+    for name, (fmt, scheme) in quantized.items():
+        by_group.setdefault((fmt.name, scheme), []).append(name)
+    single = len(by_group) == 1
+    groups = {}
+    for i, ((fmt_name, scheme), names) in enumerate(sorted(by_group.items(), key=lambda kv: kv[1][0])):
+        groups[f"group_{i}"] = {
+            "targets": ["Linear"] if single else sorted(names),
+            "weights": FORMATS.get(fmt_name).weights_config(scheme),
+            "input_activations": None,
+            "output_activations": None,
+            "format": fmt_name,
+        }
+    ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized]
+    formats = {fmt for fmt, _ in by_group}
+    return {
+        "quant_method": QUANT_METHOD,
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "version": FORMAT_VERSION,
+        "config_groups": groups,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "global_compression_ratio": None,
+    }
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    name: str
+    targets: tuple[str, ...]
+    format: QuantFormat
+    scheme: QuantScheme
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Which modules of a checkpoint are quantized, with which format and scheme."""
+
+    groups: tuple[GroupPlan, ...]
+    ignore: tuple[str, ...]
+
+    def lookup(self, name: str, module: nn.Module) -> GroupPlan | None:
+        if matches(name, module, self.ignore):
+            return None
+        for group in self.groups:
+            if matches(name, module, group.targets):
+                return group
+        return None
+
+
+def parse_quantization_config(qc: dict, where: str) -> LoadPlan:
+    """Validate a compressed-tensors quantization_config and turn it into a LoadPlan."""
+    method = qc.get("quant_method")
+    if method != QUANT_METHOD:
+        raise CheckpointError(
+            f"{where}: quantization method {method!r} is not supported; quantkit loads "
+            f"'{QUANT_METHOD}' checkpoints (convert others first)"
+        )
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise CheckpointError(f"{where}: quantization_status {status!r} is not supported; expected 'compressed'")
+    if qc.get("kv_cache_scheme"):
+        log.warning("%s: kv_cache_scheme is present but not used by this runner yet", where)
+    if qc.get("sparsity_config"):
+        raise CheckpointError(f"{where}: sparse checkpoints (sparsity_config) are not supported")
+    groups = []
+    for gname, group in (qc.get("config_groups") or {}).items():
+        fmt_name = group.get("format") or qc.get("format")
+        try:
+            fmt = FORMATS.get(fmt_name)
+        except UnknownNameError as exc:
+            raise CheckpointError(f"{where}: config_groups.{gname}: {exc}") from None
+        if group.get("input_activations") or group.get("output_activations"):
+            raise CheckpointError(
+                f"{where}: config_groups.{gname}: activation quantization with format {fmt_name!r} is not supported"
+            )
+        if not group.get("weights"):
+            raise CheckpointError(f"{where}: config_groups.{gname} has no weights scheme")
+        scheme = fmt.scheme_from_config(gname, group["weights"])
+        groups.append(GroupPlan(gname, tuple(group.get("targets") or ()), fmt, scheme))
+    return LoadPlan(tuple(groups), tuple(qc.get("ignore") or ()))

@@ -1,0 +1,67 @@
+"""compressed-tensors `pack-quantized`: int weights packed 32/b per int32, scales in the model dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantkit.errors import CheckpointError
+from quantkit.formats.base import QuantFormat
+from quantkit.quant.intq import QuantizedWeight
+from quantkit.quant.packing import SUPPORTED_BITS
+from quantkit.registry import FORMATS
+from quantkit.runtime.qlinear import PackedIntLinear
+from quantkit.schemes import QuantScheme
+
+
+class PackQuantized(QuantFormat):
+    name = "pack-quantized"
+
+    def supports(self, scheme: QuantScheme) -> bool:
+        return scheme.type == "int" and scheme.num_bits in SUPPORTED_BITS
+
+    def build_module(self, qw: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
+        return PackedIntLinear.from_quantized(qw, bias)
+
+    def empty_module(self, linear: nn.Linear, scheme: QuantScheme, scale_dtype: torch.dtype) -> nn.Module:
+        return PackedIntLinear(linear.in_features, linear.out_features, linear.bias is not None, scheme, scale_dtype)
+
+    def weights_config(self, scheme: QuantScheme) -> dict:
+        return {
+            "num_bits": scheme.num_bits,
+            "type": scheme.type,
+            "symmetric": scheme.symmetric,
+            "strategy": scheme.strategy,
+            "group_size": scheme.group_size,
+            "block_structure": None,
+            "dynamic": False,
+            "actorder": None,
+            "observer": "minmax",
+            "observer_kwargs": {},
+            "scale_dtype": None,
+            "zp_dtype": None if scheme.symmetric else "torch.int8",
+        }
+
+    def scheme_from_config(self, group: str, weights: dict) -> QuantScheme:
+        where = f"config_groups.{group}.weights"
+        if weights.get("type", "int") != "int":
+            raise CheckpointError(f"{where}: pack-quantized with type {weights.get('type')!r} is not supported")
+        if weights.get("actorder") == "group":
+            raise CheckpointError(f"{where}: actorder 'group' (weight_g_idx) is not supported yet")
+        if weights.get("dynamic"):
+            raise CheckpointError(f"{where}: dynamic weight quantization is not meaningful")
+        strategy = weights.get("strategy") or ("group" if (weights.get("group_size") or 0) > 0 else "channel")
+        if strategy not in ("group", "channel"):
+            raise CheckpointError(f"{where}: strategy {strategy!r} is not supported; supported: group, channel")
+        try:
+            return QuantScheme(
+                num_bits=weights["num_bits"],
+                symmetric=weights.get("symmetric", True),
+                strategy=strategy,
+                group_size=weights.get("group_size") if strategy == "group" else None,
+            )
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{where}: {exc}") from None
+
+
+FORMATS.add(PackQuantized.name, PackQuantized())

@@ -1,0 +1,1 @@
+"""Finding models: local directories, cached demo models, hub ids; demo fetch and GGUF conversion."""

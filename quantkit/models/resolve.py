@@ -1,0 +1,58 @@
+"""Turn a MODEL argument (local dir, demo name, hub id) into a local checkpoint directory."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+from quantkit.errors import ModelNotFoundError
+from quantkit.paths import cache_dir
+
+DEFAULT_MODEL = "smollm2-135m"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def demo_model_dir(name: str) -> Path:
+    return cache_dir() / "models" / name
+
+
+def resolve_model(spec: Optional[str]) -> Path:
+    """A local directory with config.json for `spec`; None means the default demo model."""
+    from quantkit.models.demo import DEMO_MODELS
+
+    spec = spec or DEFAULT_MODEL
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model path {spec!r} is not a model directory (no config.json in it)")
+        return path
+    if spec in DEMO_MODELS:
+        cached = demo_model_dir(spec)
+        if (cached / "config.json").is_file():
+            return cached
+        raise ModelNotFoundError(f"demo model {spec!r} is not downloaded yet; run: quantkit models fetch {spec}")
+    if spec.startswith((".", "/", "~")) or not HUB_ID.match(spec):
+        raise ModelNotFoundError(
+            f"model path {spec!r} does not exist (demo models: {', '.join(DEMO_MODELS)}; "
+            "hub ids look like org/name)"
+        )
+    return _download_from_hub(spec)
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            repo_id,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+        )
+    except Exception as exc:  # offline, unknown repo, gated repo...
+        raise ModelNotFoundError(
+            f"{repo_id!r} is not a local directory, and fetching it from the Hugging Face Hub failed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no details'}). "
+            "This machine may be offline: download the model where there is network access and pass "
+            "its local directory instead."
+        ) from None
+    return Path(local)

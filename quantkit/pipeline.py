@@ -1,0 +1,163 @@
+"""The sequential layer-wise pipeline: quantize a model one decoder layer at a time.
+
+For each decoder layer: run the calibration batches through it with the stages' hooks (only
+if a stage needs data), let each stage quantize its targeted linears, swap them for quantized
+modules, then run the *quantized* layer to produce the next layer's inputs. Beyond the model,
+memory holds one layer's inputs for all calibration batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from functools import reduce
+from typing import Optional
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quantkit.algorithms.base import Algorithm
+from quantkit.arch.adapter import ArchitectureAdapter
+from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, run_layer
+from quantkit.errors import QuantizationError
+from quantkit.formats.base import QuantFormat, format_for
+from quantkit.quant.intq import sqnr_db
+from quantkit.recipe import Recipe, StageSpec
+from quantkit.registry import ALGORITHMS
+from quantkit.schemes import QuantScheme
+from quantkit.targets import select_linears
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Stage:
+    index: int
+    spec: StageSpec
+    algorithm: Algorithm
+    modules: list[str]  # full names of the linears this stage quantizes
+
+
+@dataclass
+class QuantizationResult:
+    quantized: dict[str, tuple[QuantFormat, QuantScheme]] = field(default_factory=dict)
+    layers: list[dict] = field(default_factory=list)  # per quantized linear: name, scheme, sqnr_db
+    seconds: float = 0.0
+
+
+def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe) -> list[Stage]:
+    """Instantiate each stage's algorithm and resolve its target modules, validating up front."""
+    stages, claimed = [], {}
+    layers_prefix = adapter.layers_path + "."
+    for i, spec in enumerate(recipe.stages):
+        algo_cls = ALGORITHMS.get(spec.algorithm)
+        scheme = spec.scheme.resolve() if spec.scheme is not None else None
+        algorithm = algo_cls(algo_cls.Config.model_validate(spec.args), scheme)
+        names = select_linears(model, spec.targets, spec.ignore)
+        outside = [n for n in names if not n.startswith(layers_prefix)]
+        if outside:
+            raise QuantizationError(
+                f"stage {i} ({spec.algorithm}) targets {', '.join(outside)}, outside the decoder layers; "
+                f"quantizing those is not supported yet: add them to stages.{i}.ignore"
+            )
+        if algo_cls.produces_weights:
+            _check_divisible(model, names, scheme, i)
+            twice = [n for n in names if n in claimed]
+            if twice:
+                raise QuantizationError(
+                    f"stage {i} quantizes {twice[0]} which stage {claimed[twice[0]]} already quantizes; "
+                    "make the stages' targets/ignore disjoint"
+                )
+            claimed.update({n: i for n in names})
+        stages.append(Stage(i, spec, algorithm, names))
+    if not claimed:
+        raise QuantizationError("the recipe's targets match no Linear module inside the decoder layers")
+    return stages
+
+
+def _check_divisible(model: nn.Module, names: list[str], scheme: QuantScheme, stage: int) -> None:
+    if scheme.strategy != "group":
+        return
+    sizes = {n: model.get_submodule(n).in_features for n in names}
+    bad = [n for n, k in sizes.items() if k % scheme.group_size]
+    if bad:
+        common = reduce(math.gcd, sizes.values())
+        fits = [g for g in (16, 32, 64, 128, 256) if common % g == 0]
+        raise QuantizationError(
+            f"group_size {scheme.group_size} does not divide in_features {sizes[bad[0]]} of layer {bad[0]}"
+            + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+            + f"; group sizes that divide every targeted layer: {', '.join(map(str, fits)) or 'none (use strategy channel)'}"
+            + f" -- e.g. --set stages.{stage}.scheme.group_size={fits[-1] if fits else 64}"
+        )
+
+
+def _groups(names: list[str], adapter: ArchitectureAdapter, prefix: str) -> list[list[str]]:
+    """Partition a layer's names into input-sharing groups as the adapter declares them."""
+    groups, seen = [], set()
+    for rel_group in adapter.linear_groups:
+        group = [prefix + r for r in rel_group if prefix + r in names]
+        if group:
+            groups.append(group)
+            seen.update(group)
+    return groups + [[n] for n in names if n not in seen]
+
+
+def quantize_model(
+    model: nn.Module,
+    adapter: ArchitectureAdapter,
+    stages: list[Stage],
+    batches: Optional[list[torch.Tensor]],
+    scale_dtype: torch.dtype,
+    progress: bool = True,
+) -> QuantizationResult:
+    """Quantize `model` in place; returns which modules were quantized and per-module errors."""
+    start = time.perf_counter()
+    layers = adapter.layers(model)
+    needs_data = any(s.algorithm.needs_calibration for s in stages)
+    if needs_data and not batches:
+        raise QuantizationError("a stage needs calibration data but no calibration batches were given")
+    inputs = capture_layer_inputs(model, layers, batches) if needs_data else None
+    result = QuantizationResult()
+    for li in tqdm(range(len(layers)), desc="quantizing layers", unit="layer", disable=not progress):
+        prefix = f"{adapter.layers_path}.{li}."
+        for stage in stages:
+            names = [n for n in stage.modules if n.startswith(prefix)]
+            if names:
+                _run_stage(model, layers[li], li, stage, names, adapter, inputs, scale_dtype, result)
+        if inputs is not None and li < len(layers) - 1:
+            inputs.hidden = run_layer(layers[li], inputs.hidden, inputs.kwargs[li])
+            inputs.kwargs[li] = []  # this layer's arguments are no longer needed
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, inputs: Optional[LayerInputs],
+               scale_dtype: torch.dtype, result: QuantizationResult) -> None:
+    linears = {n: model.get_submodule(n) for n in names}
+    if stage.algorithm.needs_calibration:
+        handles = [
+            lin.register_forward_pre_hook(lambda _m, args, n=n: stage.algorithm.observe(n, args[0]))
+            for n, lin in linears.items()
+        ]
+        try:
+            run_layer(layer, inputs.hidden, inputs.kwargs[li])
+        finally:
+            for h in handles:
+                h.remove()
+    groups = _groups(names, adapter, f"{adapter.layers_path}.{li}.")
+    quantized = stage.algorithm.quantize_layer(linears, groups, scale_dtype)
+    for name, qw in quantized.items():
+        fmt = format_for(qw.scheme)
+        original = linears[name].weight.data
+        module = fmt.build_module(qw, linears[name].bias)
+        model.set_submodule(name, module)
+        result.quantized[name] = (fmt, qw.scheme)
+        result.layers.append({
+            "name": name,
+            "algorithm": stage.spec.algorithm,
+            "scheme": qw.scheme.short(),
+            "sqnr_db": round(sqnr_db(original, qw.dequantize()), 3),
+        })

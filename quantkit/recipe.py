@@ -1,0 +1,228 @@
+"""Recipes: typed, versioned YAML pipelines of quantization stages, with `--set` overrides.
+
+A recipe is data only: it is parsed with `yaml.safe_load` and validated by pydantic models
+that reject unknown keys, so nothing in a recipe can execute code.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
+from quantkit.errors import QuantkitError, RecipeError
+from quantkit.paths import RECIPES_DIR
+from quantkit.registry import ALGORITHMS
+from quantkit.schemes import QuantScheme, resolve_scheme
+
+RECIPE_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SchemeSpec(_Strict):
+    """A preset name and/or explicit fields; `scheme: W4A16` is shorthand for `{preset: W4A16}`."""
+
+    preset: Optional[str] = None
+    num_bits: Optional[int] = None
+    type: Optional[Literal["int"]] = None
+    symmetric: Optional[bool] = None
+    strategy: Optional[Literal["channel", "group"]] = None
+    group_size: Optional[int] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"preset": data} if isinstance(data, str) else data
+
+    def resolve(self) -> QuantScheme:
+        return resolve_scheme(self.preset, self.model_dump(exclude_unset=True, exclude={"preset"}))
+
+
+class CalibrationSpec(_Strict):
+    dataset: str = "sensesensibility"  # a shipped text name, a local .txt/.jsonl/.parquet, or a hub dataset
+    text_column: str = "text"  # column holding the text in .jsonl / .parquet / hub datasets
+    num_samples: PositiveInt = 64
+    seq_len: PositiveInt = 512
+    seed: int = 0
+    batch_size: PositiveInt = 8  # samples per calibration forward; memory vs speed only
+
+
+class StageSpec(_Strict):
+    algorithm: str
+    scheme: Optional[SchemeSpec] = None
+    targets: list[str] = Field(default_factory=lambda: ["Linear"])  # class names, module names or "re:<regex>"
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    args: dict[str, Any] = Field(default_factory=dict)  # validated by the algorithm's own Config
+
+
+class Recipe(_Strict):
+    version: Literal[1] = RECIPE_VERSION
+    name: str = "custom"
+    description: str = ""
+    calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
+    stages: list[StageSpec] = Field(min_length=1)
+
+    def to_yaml(self) -> str:
+        """The recipe with defaults filled in and schemes resolved to explicit fields."""
+        data = self.model_dump(mode="json")
+        for stage, spec in zip(data["stages"], self.stages):
+            stage["scheme"] = spec.scheme.resolve().model_dump(mode="json") if spec.scheme else None
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+def available_recipes() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(RECIPES_DIR.glob("*.yaml"))}
+
+
+def recipe_source(name_or_path: str) -> Path:
+    """A recipe name from recipes/, or a path to a YAML file."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise RecipeError(f"recipe file {name_or_path!r} does not exist")
+        return path
+    known = available_recipes()
+    if name_or_path not in known:
+        raise RecipeError(
+            f"unknown recipe {name_or_path!r}; available: {', '.join(known) or '(none)'} "
+            "(or pass a path to a .yaml file)"
+        )
+    return known[name_or_path]
+
+
+def load_recipe(name_or_path: str, overrides: Optional[list[str]] = None) -> Recipe:
+    """Read, override (`key.path=value` strings) and validate a recipe."""
+    path = recipe_source(name_or_path)
+    label = name_or_path if path.parent == RECIPES_DIR else str(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe {label}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe {label}: expected a mapping at the top level, got {type(raw).__name__}")
+    for item in overrides or []:
+        raw = apply_override(raw, item)
+    return validate_recipe(raw, label)
+
+
+def validate_recipe(raw: dict, label: str = "recipe") -> Recipe:
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise RecipeError(_format_errors(label, exc, Recipe)) from None
+    for i, stage in enumerate(recipe.stages):
+        _validate_stage(label, i, stage)
+    return recipe
+
+
+def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
+    if stage.algorithm not in ALGORITHMS:
+        raise RecipeError(
+            f"recipe {label}: stages.{i}.algorithm: unknown algorithm {stage.algorithm!r}; "
+            f"known: {', '.join(ALGORITHMS.names())}"
+        )
+    algo = ALGORITHMS.get(stage.algorithm)
+    try:
+        algo.Config.model_validate(stage.args)
+    except ValidationError as exc:
+        raise RecipeError(_format_errors(label, exc, algo.Config, prefix=f"stages.{i}.args")) from None
+    if algo.produces_weights and stage.scheme is None:
+        raise RecipeError(f"recipe {label}: stages.{i}.scheme is required by algorithm {stage.algorithm!r}")
+    if stage.scheme is not None:
+        try:
+            stage.scheme.resolve()
+        except (ValidationError, ValueError, QuantkitError) as exc:
+            msg = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            raise RecipeError(f"recipe {label}: stages.{i}.scheme: {msg}") from None
+
+
+def _format_errors(label: str, exc: ValidationError, root: type[BaseModel], prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
+        where = ".".join(([prefix] if prefix else []) + loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(root, err["loc"][:-1])
+            lines.append(f"{where}: unknown key; allowed keys: {', '.join(allowed)}")
+        else:
+            lines.append(f"{where}: {err['msg']}")
+    return f"recipe {label} is invalid:\n  " + "\n  ".join(lines)
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the model found by walking `loc` (skipping list indices) from `model`."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int) or not (isinstance(current, type) and issubclass(current, BaseModel)):
+            continue
+        field = current.model_fields.get(part)
+        if field is None:
+            break
+        current = _inner_model(field.annotation)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _inner_model(annotation: Any) -> Any:
+    """The BaseModel inside Optional[...] / list[...] annotations, else the annotation."""
+    args = getattr(annotation, "__args__", None)
+    if args:
+        for arg in args:
+            inner = _inner_model(arg)
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return annotation
+
+
+def apply_override(raw: dict, item: str) -> dict:
+    """`stages.0.scheme.group_size=64` -> raw with that value set (value parsed as YAML)."""
+    if "=" not in item:
+        raise RecipeError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. stages.0.scheme.group_size=64")
+    key, _, text = item.partition("=")
+    parts = [p for p in key.strip().split(".")]
+    if not all(parts):
+        raise RecipeError(f"--set {item!r}: empty component in key {key!r}")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"--set {item!r}: value is not valid YAML: {exc}") from None
+    out = copy.deepcopy(raw)
+    node: Union[dict, list] = out
+    for depth, part in enumerate(parts[:-1]):
+        node = _descend(node, part, parts[: depth + 1], item)
+    _assign(node, parts[-1], value, item)
+    return out
+
+
+def _descend(node: Union[dict, list], part: str, path: list[str], item: str) -> Union[dict, list]:
+    if isinstance(node, list):
+        idx = _index(node, part, item)
+        return node[idx]
+    child = node.get(part)
+    if child is None:
+        child = node[part] = {}
+    elif isinstance(child, str) and part == "scheme":
+        child = node[part] = {"preset": child}  # expand the shorthand so fields can be set
+    elif not isinstance(child, (dict, list)):
+        raise RecipeError(f"--set {item!r}: {'.'.join(path)} is a value ({child!r}), not a section")
+    return child
+
+
+def _assign(node: Union[dict, list], part: str, value: Any, item: str) -> None:
+    if isinstance(node, list):
+        node[_index(node, part, item)] = value
+    else:
+        node[part] = value
+
+
+def _index(node: list, part: str, item: str) -> int:
+    if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
+        raise RecipeError(f"--set {item!r}: {part!r} is not an index of a list of {len(node)} items")
+    return int(part)

@@ -1,0 +1,1 @@
+"""Running quantized checkpoints: quantized linear modules, the loader and a generate loop."""

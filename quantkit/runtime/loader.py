@@ -1,0 +1,129 @@
+"""`quantkit.load`: build a model from a checkpoint directory, quantized modules included.
+
+The model skeleton is built with empty (meta) parameters, quantized linears are swapped in as
+the checkpoint's `quantization_config` says, then every tensor is assigned from safetensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from quantkit.errors import CheckpointError
+from quantkit.formats.checkpoint import iter_tensors, read_config
+from quantkit.formats.compressed_tensors import LoadPlan, parse_quantization_config
+from quantkit.models.resolve import resolve_model
+
+log = logging.getLogger(__name__)
+IGNORED_EXTRA_KEYS = ("rotary_emb.inv_freq",)  # written by old exporters, recomputed at init
+
+
+def checkpoint_dtype(config: dict) -> torch.dtype:
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"config.json: unsupported dtype {name!r}")
+    return dtype
+
+
+def load(path: Union[str, Path, None], dtype: Optional[torch.dtype] = None) -> PreTrainedModel:
+    """Load a plain or compressed-tensors checkpoint on CPU.
+
+    dtype: compute dtype of the float parameters (default: the checkpoint's). Quantized
+    modules keep their packed integers and stored scales whatever the dtype.
+    """
+    path = resolve_model(None if path is None else str(path))
+    raw = read_config(path)
+    qc = raw.get("quantization_config")
+    plan = parse_quantization_config(qc, f"{path}/config.json") if qc else None
+    dtype = dtype or checkpoint_dtype(raw)
+    config = AutoConfig.from_pretrained(path)  # never trust_remote_code: unknown types fail here
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # we build quantized modules ourselves
+    with init_empty_weights(include_buffers=False):
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: transformers cannot build this model: {exc}") from None
+    quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
+    _assign_tensors(model, path, quantized, dtype)
+    model.eval()
+    model.quantkit_source = str(path)
+    return model
+
+
+def _swap_quantized_modules(model: nn.Module, plan: LoadPlan, dtype: torch.dtype) -> set[str]:
+    swapped = set()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        group = plan.lookup(name, module)
+        if group is None:
+            continue
+        new = group.format.empty_module(module, group.scheme, dtype)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        swapped.add(name)
+    if not swapped and plan.groups:
+        raise CheckpointError("quantization_config matches no Linear module of this model")
+    return swapped
+
+
+def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: torch.dtype) -> None:
+    expected = dict(model.state_dict(keep_vars=True))
+    loaded: dict[str, torch.Tensor] = {}
+    unexpected = []
+    for key, tensor in iter_tensors(path):
+        if key not in expected:
+            if not key.endswith(IGNORED_EXTRA_KEYS):
+                unexpected.append(key)
+            continue
+        owner = key.rpartition(".")[0]
+        if tensor.is_floating_point() and owner not in quantized:
+            tensor = tensor.to(dtype)  # quantized modules keep their stored scale dtype
+        _check_shape(key, tensor, expected[key], owner in quantized)
+        loaded[key] = tensor
+    if unexpected:
+        raise CheckpointError(f"{path}: tensors that this model does not have: {', '.join(unexpected[:8])}"
+                              + (" ..." if len(unexpected) > 8 else ""))
+    model.load_state_dict(loaded, strict=False, assign=True)
+    _tie_embeddings(model)
+    # every slot must come from the file (directly, or by tying to a loaded tensor): quantized
+    # modules' buffers exist on CPU already, so "still on meta" alone would miss them
+    loaded_ptrs = {t.data_ptr() for t in loaded.values()}
+    missing = [k for k, v in model.state_dict(keep_vars=True).items()
+               if k not in loaded and (v.device.type == "meta" or v.data_ptr() not in loaded_ptrs)]
+    if missing:
+        raise CheckpointError(f"{path}: tensors missing from the checkpoint: {', '.join(missing[:8])}"
+                              + (" ..." if len(missing) > 8 else ""))
+
+
+def _check_shape(key: str, tensor: torch.Tensor, slot: torch.Tensor, quantized: bool) -> None:
+    if tensor.shape != slot.shape:
+        raise CheckpointError(f"tensor {key}: shape {tuple(tensor.shape)} in the checkpoint, "
+                              f"{tuple(slot.shape)} expected by the config")
+    if quantized and not tensor.is_floating_point() and tensor.dtype != slot.dtype:
+        raise CheckpointError(f"tensor {key}: dtype {tensor.dtype} in the checkpoint, {slot.dtype} expected")
+
+
+def _tie_embeddings(model: PreTrainedModel) -> None:
+    out = model.get_output_embeddings()
+    if out is None or not getattr(model.config, "tie_word_embeddings", False):
+        return
+    if isinstance(out, nn.Linear) and out.weight.device.type == "meta":
+        out.weight = model.get_input_embeddings().weight
+
+
+def load_tokenizer(path: Union[str, Path, None]):
+    """The tokenizer saved beside a checkpoint."""
+    path = resolve_model(None if path is None else str(path))
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: no usable tokenizer ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,77 @@
+"""PackedIntLinear: a linear layer that keeps int weights packed as on disk and dequantizes to run.
+
+Its buffers are exactly the compressed-tensors `pack-quantized` tensors of one module, so
+`state_dict()` is what gets saved and `load_state_dict()` is what gets loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.quant.intq import QuantizedWeight, dequantize
+from quantkit.quant.packing import pack_int32, packed_size, unpack_int32
+from quantkit.schemes import QuantScheme
+
+
+class PackedIntLinear(nn.Module):
+    """y = x @ dequant(W)^T + b with W stored as packed int codes, per-group scales (and zero points)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        scheme: QuantScheme,
+        scale_dtype: torch.dtype,
+        device: Optional[torch.device] = None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        groups = scheme.group_count(in_features)
+        bits = scheme.num_bits
+        self.register_buffer("weight_packed", torch.zeros(out_features, packed_size(in_features, bits), dtype=torch.int32, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=scale_dtype, device=device))
+        self.register_buffer("weight_shape", torch.tensor([out_features, in_features], dtype=torch.int64, device=device))
+        if not scheme.symmetric:
+            # zero points pack along the output dim: [ceil(out * bits / 32), groups]
+            self.register_buffer("weight_zero_point", torch.zeros(packed_size(out_features, bits), groups, dtype=torch.int32, device=device))
+        else:
+            self.weight_zero_point = None
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=scale_dtype, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, bias: Optional[torch.Tensor]) -> "PackedIntLinear":
+        out_features, in_features = qw.q.shape
+        mod = cls(in_features, out_features, bias is not None, qw.scheme, qw.scale.dtype, device=qw.q.device)
+        mod.weight_packed.copy_(pack_int32(qw.q, qw.scheme.num_bits, dim=1))
+        mod.weight_scale.copy_(qw.scale)
+        if qw.zero_point is not None:
+            mod.weight_zero_point.copy_(pack_int32(qw.zero_point, qw.scheme.num_bits, dim=0))
+        if bias is not None:
+            mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return mod
+
+    def codes(self) -> torch.Tensor:
+        return unpack_int32(self.weight_packed, self.scheme.num_bits, self.in_features, dim=1)  # [out, in] int8
+
+    def zero_points(self) -> Optional[torch.Tensor]:
+        if self.weight_zero_point is None:
+            return None
+        return unpack_int32(self.weight_zero_point, self.scheme.num_bits, self.out_features, dim=0)  # [out, groups]
+
+    def quantized_weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.codes(), self.weight_scale, self.zero_points(), self.scheme)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.codes(), self.weight_scale, self.zero_points(), self.scheme, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.short()}"

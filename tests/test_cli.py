@@ -1,0 +1,86 @@
+"""The command line, through click's test runner: happy paths and clear errors (exit code 2)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from quantkit.cli import main
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+
+    def invoke(*args):
+        return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    return invoke
+
+
+def test_help_has_examples_for_every_command(run):
+    for cmd in (["quantize"], ["eval", "ppl"], ["generate"], ["recipes"], ["plugins"], ["convert", "gguf"], ["models", "fetch"]):
+        res = run(*cmd, "--help")
+        assert res.exit_code == 0 and ("Example" in res.output), cmd
+
+
+def test_quantize_eval_generate(run, tiny_llama, tmp_path):
+    out = tmp_path / "q"
+    res = run("quantize", tiny_llama, "--recipe", "rtn-w4a16", "--set", "stages.0.scheme.group_size=32", "-o", out, "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert "Quantized 21 linear layers" in res.output and f"Wrote {out}" in res.output
+    res = run("eval", "ppl", tiny_llama, out, "--seq-len", "64", "--max-windows", "2", "--json", tmp_path / "p.json", "--no-progress")
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert [r["model"] for r in data["results"]] == [str(tiny_llama), str(out)]
+    assert data["results"][0]["delta"] == 0 and data["results"][1]["tokens"] == 2 * 63
+    assert "(baseline)" in res.output
+    res = run("generate", out, "It is", "-n", "5")
+    assert res.exit_code == 0 and res.output.startswith("It is")
+
+
+def test_baseline_option_goes_first(run, tiny_llama, tmp_path):
+    res = run("eval", "ppl", tiny_llama, "--baseline", tiny_llama, "--seq-len", "32", "--max-windows", "1", "--no-progress")
+    assert res.exit_code == 0 and res.output.count(str(tiny_llama)) == 1
+
+
+def test_recipes_and_plugins(run):
+    res = run("recipes")
+    assert "rtn-w4a16" in res.output and "rtn-w8a16" in res.output
+    res = run("recipes", "show", "rtn-w4a16")
+    assert "group_size: 128" in res.output
+    res = run("plugins")
+    assert "rtn" in res.output and "pack-quantized" in res.output and "gemma3_text" in res.output
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["quantize", "/no/such/model", "--recipe", "rtn-w4a16"], "model path '/no/such/model' does not exist"),
+        (["quantize", "Qwen/Qwen3-4B", "--recipe", "rtn-w4a16"], "offline"),
+        (["quantize", "--recipe", "nope"], "unknown recipe 'nope'"),
+        (["eval", "ppl", "/no/such/model"], "does not exist"),
+        (["generate", "./missing-dir"], "does not exist"),
+        (["models", "fetch", "gpt-5"], "unknown demo model 'gpt-5'"),
+        (["convert", "gguf", "/no/file.gguf", "-o", "/tmp/x"], "does not exist"),
+    ],
+)
+def test_bad_input_is_a_clear_error(run, args, fragment):
+    res = run(*args)
+    assert res.exit_code == 2 and fragment in res.output and "Traceback" not in res.output
+
+
+def test_existing_output_and_bad_group_size(run, tiny_llama, tmp_path):
+    (tmp_path / "taken").mkdir()
+    res = run("quantize", tiny_llama, "--recipe", "rtn-w4a16", "-o", tmp_path / "taken")
+    assert res.exit_code == 2 and "already exists; pass --overwrite" in res.output
+    res = run("quantize", tiny_llama, "--recipe", "rtn-w4a16", "-o", tmp_path / "new")
+    assert res.exit_code == 2 and "does not divide in_features 64 of layer model.layers.0.self_attn.q_proj" in res.output
+    assert not (tmp_path / "new").exists()
+
+
+def test_eval_short_text(run, tiny_llama, tmp_path):
+    f = tmp_path / "short.txt"
+    f.write_text("Too short.")
+    res = run("eval", "ppl", tiny_llama, "--dataset", f, "--seq-len", "64")
+    assert res.exit_code == 2 and "fewer than one window of 64" in res.output

@@ -1,0 +1,53 @@
+"""Bit layout of pack-quantized int32 words, with fixed expected values."""
+
+import pytest
+import torch
+
+from quantkit.quant.packing import pack_int32, packed_size, unpack_int32
+
+
+def test_int4_fixed_words():
+    # codes -8..7 are stored as 0..15, element i at bits 4i..4i+3
+    q = torch.tensor([[-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7]], dtype=torch.int8)
+    packed = pack_int32(q, 4)
+    assert packed.dtype == torch.int32
+    assert packed.tolist() == [[0x76543210, 0xFEDCBA98 - 2**32]]  # 1985229328, -19088744
+
+
+def test_int8_fixed_word():
+    q = torch.tensor([[-128, -1, 0, 127]], dtype=torch.int8)  # stored 0, 127, 128, 255
+    assert pack_int32(q, 8).tolist() == [[0xFF807F00 - 2**32]]
+
+
+def test_int4_zero_point_packs_along_output_dim():
+    zp = torch.arange(-8, 1, dtype=torch.int8).reshape(9, 1)  # [out=9, groups=1]
+    packed = pack_int32(zp, 4, dim=0)
+    assert packed.shape == (2, 1)  # ceil(9 * 4 / 32) words per group
+    # rows 0..7 hold codes 0..7 -> 0x76543210; row 8 holds code 8, the padding bits are zero
+    assert packed[0, 0].item() == 0x76543210
+    assert packed[1, 0].item() == 0x00000008
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("shape", [(3, 64), (5, 40), (1, 7)])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_round_trip(bits, shape, dim):
+    gen = torch.Generator().manual_seed(bits * 100 + shape[1])
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = torch.randint(lo, hi + 1, shape, generator=gen, dtype=torch.int8)
+    packed = pack_int32(q, bits, dim=dim)
+    n = shape[dim]
+    expected = list(shape)
+    expected[dim] = packed_size(n, bits)
+    assert list(packed.shape) == expected
+    assert torch.equal(unpack_int32(packed, bits, n, dim=dim), q)
+
+
+def test_matches_compressed_tensors_library():
+    ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    q = torch.randint(-8, 8, (6, 96), generator=torch.Generator().manual_seed(1), dtype=torch.int8)
+    assert torch.equal(pack_int32(q, 4), ct.pack_to_int32(q, 4))
+    zp = torch.randint(-8, 8, (20, 3), generator=torch.Generator().manual_seed(2), dtype=torch.int8)
+    assert torch.equal(pack_int32(zp, 4, dim=0), ct.pack_to_int32(zp, 4, packed_dim=0))
+    q8 = torch.randint(-128, 128, (4, 12), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
+    assert torch.equal(pack_int32(q8, 8), ct.pack_to_int32(q8, 8))

