@@ -138,3 +138,24 @@ def test_calibration_needed_but_missing(tiny_llama):
     stages = build_stages(model, adapter, load_recipe("rtn-w4a16", ["stages.0.algorithm=recording-rtn", "stages.0.scheme.group_size=32"]))
     with pytest.raises(QuantizationError, match="needs calibration data"):
         quantize_model(model, adapter, stages, None, torch.bfloat16, progress=False)
+
+
+def test_quantize_job_calibrates_from_a_text(tiny_llama, tmp_path):
+    RecordingRTN.seen.clear()
+    recipe = load_recipe("rtn-w4a16", ["stages.0.algorithm=recording-rtn", "stages.0.scheme.group_size=32",
+                                       "calibration.num_samples=6", "calibration.seq_len=32", "calibration.batch_size=4"])
+    quantize(str(tiny_llama), recipe, tmp_path / "q", progress=False)
+    seen = RecordingRTN.seen["model.layers.2.mlp.down_proj"]
+    assert [tuple(x.shape[:2]) for x in seen] == [(4, 32), (2, 32)]
+
+
+def test_quantize_job_short_calibration_text(tiny_llama, tmp_path):
+    from quantkit.errors import CalibrationDataError
+
+    text = tmp_path / "short.txt"
+    text.write_text("Only a few words of calibration text. " * 5)
+    recipe = load_recipe("rtn-w4a16", ["stages.0.algorithm=recording-rtn", "stages.0.scheme.group_size=32",
+                                       f"calibration.dataset={text}", "calibration.num_samples=64"])
+    with pytest.raises(CalibrationDataError, match=r"but 64 were asked for \(32768 tokens\)"):
+        quantize(str(tiny_llama), recipe, tmp_path / "q", progress=False)
+    assert not (tmp_path / "q").exists()
