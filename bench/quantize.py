@@ -47,6 +47,8 @@ def main() -> None:
         quant = evaluate_one(str(report.output), text, args.seq_len, args.windows, False)
     print(f"model {args.model}  recipe {recipe.name}  overrides {' '.join(args.overrides) or '-'}")
     print(f"quantize wall time      {wall:8.1f} s   (pipeline {report.result.seconds:.1f} s)")
+    for phase, seconds in report.result.timings.items():
+        print(f"  {phase:<40} {seconds:7.1f} s")
     print(f"peak RSS after quantize {rss:8.2f} GB  (before {rss_before:.2f} GB)")
     if base:
         print(f"ppl original            {base['ppl']:8.3f}   ({base['windows']} x {args.seq_len} tokens of {args.dataset})")

@@ -46,6 +46,12 @@ class QuantizationResult:
     quantized: dict[str, tuple[QuantFormat, QuantScheme]] = field(default_factory=dict)
     layers: list[dict] = field(default_factory=list)  # per quantized linear: name, scheme, sqnr_db
     seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over layers
+
+    def add_time(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - since
+        return now
 
 
 def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe) -> list[Stage]:
@@ -119,8 +125,9 @@ def quantize_model(
     needs_data = any(s.algorithm.needs_calibration for s in stages)
     if needs_data and not batches:
         raise QuantizationError("a stage needs calibration data but no calibration batches were given")
-    inputs = capture_layer_inputs(model, layers, batches) if needs_data else None
     result = QuantizationResult()
+    inputs = capture_layer_inputs(model, layers, batches) if needs_data else None
+    result.add_time("capture layer inputs", start)
     for li in tqdm(range(len(layers)), desc="quantizing layers", unit="layer", disable=not progress):
         prefix = f"{adapter.layers_path}.{li}."
         for stage in stages:
@@ -128,8 +135,10 @@ def quantize_model(
             if names:
                 _run_stage(model, layers[li], li, stage, names, adapter, inputs, scale_dtype, result)
         if inputs is not None and li < len(layers) - 1:
+            t = time.perf_counter()
             inputs.hidden = run_layer(layers[li], inputs.hidden, inputs.kwargs[li])
             inputs.kwargs[li] = []  # this layer's arguments are no longer needed
+            result.add_time("forward quantized layer (next inputs)", t)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -137,18 +146,29 @@ def quantize_model(
 def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, inputs: Optional[LayerInputs],
                scale_dtype: torch.dtype, result: QuantizationResult) -> None:
     linears = {n: model.get_submodule(n) for n in names}
+    groups = _groups(names, adapter, f"{adapter.layers_path}.{li}.")
+    stage.algorithm.begin_layer(linears, groups)
     if stage.algorithm.needs_calibration:
-        handles = [
-            lin.register_forward_pre_hook(lambda _m, args, n=n: stage.algorithm.observe(n, args[0]))
-            for n, lin in linears.items()
-        ]
+        observe_time = [0.0]
+
+        def hook(_module, args, name):
+            t0 = time.perf_counter()
+            stage.algorithm.observe(name, args[0])
+            observe_time[0] += time.perf_counter() - t0
+
+        handles = [lin.register_forward_pre_hook(lambda m, a, n=n: hook(m, a, n)) for n, lin in linears.items()]
+        t = time.perf_counter()
         try:
             run_layer(layer, inputs.hidden, inputs.kwargs[li])
         finally:
             for h in handles:
                 h.remove()
-    groups = _groups(names, adapter, f"{adapter.layers_path}.{li}.")
+        result.add_time(f"{stage.spec.algorithm}: calibration forward", t + observe_time[0])
+        result.timings[f"{stage.spec.algorithm}: observe (statistics)"] = (
+            result.timings.get(f"{stage.spec.algorithm}: observe (statistics)", 0.0) + observe_time[0])
+    t = time.perf_counter()
     quantized = stage.algorithm.quantize_layer(linears, groups, scale_dtype)
+    t = result.add_time(f"{stage.spec.algorithm}: quantize", t)
     for name, qw in quantized.items():
         fmt = format_for(qw.scheme)
         original = linears[name].weight.data
@@ -160,4 +180,6 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
             "algorithm": stage.spec.algorithm,
             "scheme": qw.scheme.short(),
             "sqnr_db": round(sqnr_db(original, qw.dequantize()), 3),
+            **stage.algorithm.report.pop(name, {}),
         })
+    result.add_time("pack and report", t)

@@ -26,7 +26,13 @@ from quantkit.recipe import Recipe
 from quantkit.runtime.loader import checkpoint_dtype, load, load_tokenizer
 
 log = logging.getLogger(__name__)
-COMPUTE_DTYPE = torch.float32  # calibration forwards and solves; scales are stored in the model dtype
+
+
+def compute_dtype(setting: str, storage: torch.dtype) -> torch.dtype:
+    """The dtype the model is loaded in for quantization (weights are exact in their own dtype)."""
+    if setting != "auto":
+        return getattr(torch, setting)
+    return torch.bfloat16 if storage == torch.float16 else storage  # fp16 matmuls are slow on CPU
 
 
 @dataclass
@@ -67,7 +73,7 @@ def quantize(
                                 "quantize the original float checkpoint")
     adapter = adapter_for(raw.get("model_type", "?"))
     storage_dtype = checkpoint_dtype(raw)
-    model = load(source, dtype=COMPUTE_DTYPE)
+    model = load(source, dtype=compute_dtype(recipe.calibration.dtype, storage_dtype))
     stages = build_stages(model, adapter, recipe)
     batches = None
     if any(s.algorithm.needs_calibration for s in stages):

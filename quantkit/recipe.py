@@ -34,6 +34,7 @@ class SchemeSpec(_Strict):
     symmetric: Optional[bool] = None
     strategy: Optional[Literal["channel", "group"]] = None
     group_size: Optional[int] = None
+    actorder: Optional[Literal["static"]] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -51,6 +52,9 @@ class CalibrationSpec(_Strict):
     seq_len: PositiveInt = 512
     seed: int = 0
     batch_size: PositiveInt = 8  # samples per calibration forward; memory vs speed only
+    # dtype of the calibration forwards; "auto" = the checkpoint's (bf16 matmuls are ~4x fp32 on
+    # CPUs with avx512_bf16). Hessians and other statistics are always accumulated in float32.
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
 
 
 class StageSpec(_Strict):
@@ -136,10 +140,13 @@ def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
         raise RecipeError(f"recipe {label}: stages.{i}.scheme is required by algorithm {stage.algorithm!r}")
     if stage.scheme is not None:
         try:
-            stage.scheme.resolve()
+            scheme = stage.scheme.resolve()
         except (ValidationError, ValueError, QuantkitError) as exc:
             msg = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
             raise RecipeError(f"recipe {label}: stages.{i}.scheme: {msg}") from None
+        if scheme.actorder and not algo.supports_actorder:
+            raise RecipeError(f"recipe {label}: stages.{i}.scheme.actorder: algorithm {stage.algorithm!r} "
+                              "has no column order; drop actorder or use gptq")
 
 
 def _format_errors(label: str, exc: ValidationError, root: type[BaseModel], prefix: str = "") -> str:

@@ -23,6 +23,7 @@ class QuantScheme(BaseModel):
     symmetric: bool = True
     strategy: Literal["channel", "group"] = "group"
     group_size: Optional[int] = 128  # columns sharing one scale; only for strategy "group"
+    actorder: Optional[Literal["static"]] = None  # GPTQ column order; "static" keeps groups contiguous
 
     @model_validator(mode="after")
     def _check(self) -> "QuantScheme":
@@ -49,7 +50,8 @@ class QuantScheme(BaseModel):
 
     def short(self) -> str:
         gran = "channel" if self.strategy == "channel" else f"g{self.group_size}"
-        return f"int{self.num_bits} {'sym' if self.symmetric else 'asym'} {gran}"
+        order = " actorder" if self.actorder else ""
+        return f"int{self.num_bits} {'sym' if self.symmetric else 'asym'} {gran}{order}"
 
 
 # Named presets are data: a recipe says `scheme: W4A16` or `scheme: {preset: W4A16, group_size: 64}`.

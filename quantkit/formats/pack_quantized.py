@@ -35,7 +35,7 @@ class PackQuantized(QuantFormat):
             "group_size": scheme.group_size,
             "block_structure": None,
             "dynamic": False,
-            "actorder": None,
+            "actorder": scheme.actorder,
             "observer": "minmax",
             "observer_kwargs": {},
             "scale_dtype": None,
@@ -55,6 +55,7 @@ class PackQuantized(QuantFormat):
             raise CheckpointError(f"{where}: strategy {strategy!r} is not supported; supported: group, channel")
         try:
             return QuantScheme(
+                actorder="static" if weights.get("actorder") in ("static", "weight") else None,
                 num_bits=weights["num_bits"],
                 symmetric=weights.get("symmetric", True),
                 strategy=strategy,
