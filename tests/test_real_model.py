@@ -42,3 +42,17 @@ def test_smollm2_w8_is_near_lossless(smollm2, tmp_path):
     original = perplexity(quantkit.load(smollm2, dtype=torch.float32), ids, seq_len=512, max_windows=2)
     quantized = perplexity(quantkit.load(report.output, dtype=torch.float32), ids, seq_len=512, max_windows=2)
     assert abs(quantized.ppl / original.ppl - 1) < 0.02
+
+
+def test_smollm2_gptq_beats_rtn(smollm2, tmp_path):
+    """GPTQ with a small calibration set (16 x 256 tokens, to keep CI short) vs RTN, group 64."""
+    small = ["stages.0.scheme.group_size=64", "calibration.num_samples=16", "calibration.seq_len=256"]
+    gptq = quantize("smollm2-135m", load_recipe("gptq-w4a16", small), tmp_path / "g", progress=False)
+    rtn = quantize("smollm2-135m", load_recipe("rtn-w4a16", small[:1]), tmp_path / "r", progress=False)
+    ratios = [r["hessian_error_vs_rtn"] for r in gptq.result.layers]
+    assert max(ratios) < 1.0 and sum(ratios) / len(ratios) < 0.8
+    tokenizer = quantkit.load_tokenizer(gptq.output)
+    ids = tokenize(tokenizer, load_text("emma"))
+    p_gptq = perplexity(quantkit.load(gptq.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
+    p_rtn = perplexity(quantkit.load(rtn.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
+    assert p_gptq < p_rtn

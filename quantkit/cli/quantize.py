@@ -36,4 +36,11 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress):
         mean = sum(r["sqnr_db"] for r in layers) / len(layers)
         click.echo(f"Weight SQNR: mean {mean:.2f} dB; lowest: " +
                    ", ".join(f"{r['name']} {r['sqnr_db']:.2f} dB" for r in worst))
+    ratios = [r["hessian_error_vs_rtn"] for r in layers if r.get("hessian_error_vs_rtn") is not None]
+    if ratios:
+        click.echo(f"Hessian-weighted error relative to RTN: mean {sum(ratios) / len(ratios):.3f}, "
+                   f"worst {max(ratios):.3f} (below 1 = better than round-to-nearest)")
+    fallbacks = [r["name"] for r in layers if r.get("fallback")]
+    if fallbacks:
+        click.echo(f"WARNING: {len(fallbacks)} layer(s) fell back to RTN: {', '.join(fallbacks)}", err=True)
     click.echo(f"Wrote {report.output}")
