@@ -62,7 +62,7 @@ def generate(model: nn.Module, tokenizer, prompt_ids: list[int], cfg: SamplingCo
     eos_ids |= set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
     t0 = time.perf_counter()
     out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-    cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    cache = getattr(out, "cache", None) or out.past_key_values  # renamed to `cache` in transformers 5
     tokens: list[int] = [sample_next(out.logits[0, -1], cfg, gen)]
     t1 = time.perf_counter()
     emitted = ""
