@@ -48,9 +48,13 @@ class QuantizationResult:
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over layers
 
+    def add_seconds(self, phase: str, seconds: float) -> None:
+        self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+
     def add_time(self, phase: str, since: float) -> float:
+        """Charge the time since `since` to `phase`; returns now, for the next phase."""
         now = time.perf_counter()
-        self.timings[phase] = self.timings.get(phase, 0.0) + now - since
+        self.add_seconds(phase, now - since)
         return now
 
 
@@ -163,9 +167,9 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
         finally:
             for h in handles:
                 h.remove()
-        result.add_time(f"{stage.spec.algorithm}: calibration forward", t + observe_time[0])
-        result.timings[f"{stage.spec.algorithm}: observe (statistics)"] = (
-            result.timings.get(f"{stage.spec.algorithm}: observe (statistics)", 0.0) + observe_time[0])
+        forward = time.perf_counter() - t
+        result.add_seconds(f"{stage.spec.algorithm}: calibration forward", forward - observe_time[0])
+        result.add_seconds(f"{stage.spec.algorithm}: observe (statistics)", observe_time[0])
     t = time.perf_counter()
     quantized = stage.algorithm.quantize_layer(linears, groups, scale_dtype)
     t = result.add_time(f"{stage.spec.algorithm}: quantize", t)

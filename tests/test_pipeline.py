@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.algorithms.rtn import RTN
 from quantkit.arch.adapter import adapter_for
 from quantkit.errors import QuantizationError, UnsupportedArchitectureError
