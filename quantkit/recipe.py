@@ -51,7 +51,7 @@ class CalibrationSpec(_Strict):
     num_samples: PositiveInt = 64
     seq_len: PositiveInt = 512
     seed: int = 0
-    batch_size: PositiveInt = 8  # samples per calibration forward; memory vs speed only
+    batch_size: PositiveInt = 4  # samples per calibration forward: peak memory (attention temporaries) vs speed
     # dtype of the calibration forwards; "auto" = the checkpoint's (bf16 matmuls are ~4x fp32 on
     # CPUs with avx512_bf16). Hessians and other statistics are always accumulated in float32.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
