@@ -53,18 +53,20 @@ class GPTQ(Algorithm):
             H = finish_hessian(S, self._n[group[0]])
             # rows are independent given H: linears sharing an input are solved as one stacked matrix
             W = torch.cat([linears[n].weight.data for n in group])  # [sum(out), in]
-            qw = self._solve(", ".join(group), W, H, scale_dtype)
-            report = self.report.pop(", ".join(group))
+            qw, solve = self._solve(", ".join(group), W, H, scale_dtype)
             start = 0
             for name in group:
                 rows = slice(start, start + linears[name].out_features)
                 out[name] = _rows(qw, rows)
-                self.report[name] = self._metrics(linears[name].weight.data, out[name], H, scale_dtype, report)
+                self.report[name] = self._metrics(linears[name].weight.data, out[name], H, scale_dtype, solve)
                 start = rows.stop
         self._H, self._n = {}, {}
         return out
 
-    def _solve(self, name: str, W: torch.Tensor, H: torch.Tensor, scale_dtype: torch.dtype) -> QuantizedWeight:
+    def _solve(
+        self, name: str, W: torch.Tensor, H: torch.Tensor, scale_dtype: torch.dtype
+    ) -> tuple[QuantizedWeight, dict]:
+        """GPTQ with dampening escalation; returns the weight and how it was obtained."""
         cfg = self.config
         damp = cfg.dampening_frac
         for attempt in range(cfg.dampening_retries + 1):
@@ -73,8 +75,10 @@ class GPTQ(Algorithm):
                                     actorder=self.scheme.actorder == "static")
                 if not torch.isfinite(res.weight.scale.float()).all():
                     raise HessianError("non-finite scales")
-                self.report[name] = {"dampening_frac": damp, **({"dead_columns": res.dead_columns} if res.dead_columns else {})}
-                return res.weight
+                info = {"dampening_frac": damp}
+                if res.dead_columns:
+                    info["dead_columns"] = res.dead_columns
+                return res.weight, info
             except HessianError as exc:
                 if attempt == cfg.dampening_retries:
                     break
@@ -84,9 +88,7 @@ class GPTQ(Algorithm):
             raise HessianError(f"GPTQ failed on {name} even with dampening_frac {damp:.3g}; "
                                "set stages.N.args.dampening_frac higher or allow rtn_fallback")
         log.error("GPTQ %s: numerically unsolvable even with dampening_frac %.3g: FALLING BACK TO RTN", name, damp)
-        qw = rtn(W, self.scheme, scale_dtype)
-        self.report[name] = {"fallback": "rtn", "dampening_frac": damp}
-        return qw
+        return rtn(W, self.scheme, scale_dtype), {"fallback": "rtn", "dampening_frac": damp}
 
     def _metrics(self, W: torch.Tensor, qw: QuantizedWeight, H: torch.Tensor, scale_dtype, solve: dict) -> dict:
         """Hessian-weighted error of the result, and relative to RTN's on the same weight."""

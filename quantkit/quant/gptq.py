@@ -72,7 +72,6 @@ def gptq_quantize(
     W[:, dead] = 0.0
 
     static = actorder or scheme.strategy == "channel"
-    scale = zp = None
     if static:
         scale, zp = minmax_qparams(W, scheme, scale_dtype)  # [out, groups]
     else:
