@@ -21,9 +21,10 @@ from tqdm.auto import tqdm
 
 from quantkit.algorithms.base import Algorithm
 from quantkit.arch.adapter import ArchitectureAdapter
-from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, run_layer
+from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, observe_layer, run_layer
 from quantkit.errors import QuantizationError
 from quantkit.formats.base import QuantFormat, format_for
+from quantkit.memory import release_free_memory
 from quantkit.quant.intq import sqnr_db
 from quantkit.recipe import Recipe, StageSpec
 from quantkit.registry import ALGORITHMS
@@ -134,56 +135,63 @@ def quantize_model(
     result.add_time("capture layer inputs", start)
     for li in tqdm(range(len(layers)), desc="quantizing layers", unit="layer", disable=not progress):
         prefix = f"{adapter.layers_path}.{li}."
+        packed: dict[str, nn.Module] = {}
         for stage in stages:
             names = [n for n in stage.modules if n.startswith(prefix)]
             if names:
-                _run_stage(model, layers[li], li, stage, names, adapter, inputs, scale_dtype, result)
+                packed.update(_run_stage(model, layers[li], li, stage, names, adapter, inputs, scale_dtype, result))
         if inputs is not None and li < len(layers) - 1:
             t = time.perf_counter()
             inputs.hidden = run_layer(layers[li], inputs.hidden, inputs.kwargs[li])
             inputs.kwargs[li] = []  # this layer's arguments are no longer needed
             result.add_time("forward quantized layer (next inputs)", t)
+        for name, module in packed.items():
+            model.set_submodule(name, module)
+        release_free_memory()
     result.seconds = time.perf_counter() - start
     return result
 
 
 def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, inputs: Optional[LayerInputs],
-               scale_dtype: torch.dtype, result: QuantizationResult) -> None:
+               scale_dtype: torch.dtype, result: QuantizationResult) -> dict[str, nn.Module]:
+    """Run one stage on one layer. Each quantized linear keeps its float module, now holding the
+    dequantized weight (what the packed module computes, but without unpacking per forward), so
+    the next stage and the next-inputs forward see the quantized layer; the packed modules are
+    returned for the caller to swap in afterwards."""
     linears = {n: model.get_submodule(n) for n in names}
     groups = _groups(names, adapter, f"{adapter.layers_path}.{li}.")
-    stage.algorithm.begin_layer(linears, groups)
-    if stage.algorithm.needs_calibration:
+    algorithm = stage.algorithm
+    algorithm.begin_layer(linears, groups)
+    if algorithm.needs_calibration:
         observe_time = [0.0]
 
-        def hook(_module, args, name):
+        def observe(name: str, x: torch.Tensor) -> None:
             t0 = time.perf_counter()
-            stage.algorithm.observe(name, args[0])
+            algorithm.observe(name, x)
             observe_time[0] += time.perf_counter() - t0
 
-        handles = [lin.register_forward_pre_hook(lambda m, a, n=n: hook(m, a, n)) for n, lin in linears.items()]
         t = time.perf_counter()
-        try:
-            run_layer(layer, inputs.hidden, inputs.kwargs[li])
-        finally:
-            for h in handles:
-                h.remove()
+        observe_layer(layer, inputs.hidden, inputs.kwargs[li], linears, observe)
         forward = time.perf_counter() - t
         result.add_seconds(f"{stage.spec.algorithm}: calibration forward", forward - observe_time[0])
         result.add_seconds(f"{stage.spec.algorithm}: observe (statistics)", observe_time[0])
     t = time.perf_counter()
-    quantized = stage.algorithm.quantize_layer(linears, groups, scale_dtype)
+    quantized = algorithm.quantize_layer(linears, groups, scale_dtype)
     t = result.add_time(f"{stage.spec.algorithm}: quantize", t)
+    packed = {}
     for name, qw in quantized.items():
         fmt = format_for(qw.scheme)
-        original = linears[name].weight.data
-        module = fmt.build_module(qw, linears[name].bias)
-        model.set_submodule(name, module)
+        linear = linears[name]
+        packed[name] = module = fmt.build_module(qw, linear.bias)
+        dequantized = module.dequantize(linear.weight.dtype)
         result.quantized[name] = (fmt, qw.scheme)
         result.layers.append({
             "name": name,
             "algorithm": stage.spec.algorithm,
             "scheme": qw.scheme.short(),
-            "sqnr_db": round(sqnr_db(original, qw.dequantize()), 3),
-            **stage.algorithm.report.pop(name, {}),
+            "sqnr_db": round(sqnr_db(linear.weight.data, dequantized), 3),
+            **algorithm.report.pop(name, {}),
         })
+        linear.weight.data = dequantized
     result.add_time("pack and report", t)
+    return packed

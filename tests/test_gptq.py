@@ -7,8 +7,8 @@ import torch
 
 import quantkit
 from quantkit.algorithms.gptq import GPTQ, GPTQConfig
-from quantkit.quant.gptq import (HessianError, accumulate_hessian, finish_hessian, gptq_quantize, hessian_error,
-                                 inverse_hessian_factor)
+from quantkit.quant.gptq import HessianError, gptq_quantize, hessian_error, inverse_hessian_factor
+from quantkit.quant.hessian import HessianAccumulator
 from quantkit.quant.intq import quantize, rtn
 from quantkit.schemes import QuantScheme
 
@@ -20,8 +20,9 @@ def _problem(out=48, n=256, tokens=2048, seed=0):
     g = torch.Generator().manual_seed(seed)
     mix = torch.randn(n, n, generator=g) / n**0.5 + torch.eye(n)
     X = (torch.randn(tokens, n, generator=g) @ mix) * torch.linspace(0.2, 3.0, n)
-    S, count = accumulate_hessian(None, 0, X)
-    return torch.randn(out, n, generator=g), finish_hessian(S, count)
+    acc = HessianAccumulator(n)
+    acc.add(X)
+    return torch.randn(out, n, generator=g), acc.hessian()
 
 
 SCHEMES = [
@@ -111,12 +112,23 @@ def test_plugin_rtn_fallback_is_loud_and_recorded(caplog):
 
 def test_hessian_accumulation_equals_batch_formula():
     x = torch.randn(3, 10, 16, generator=torch.Generator().manual_seed(6))
-    S, n = None, 0
+    acc = HessianAccumulator(16)
     for chunk in x:
-        S, n = accumulate_hessian(S, n, chunk)
-    flat = x.reshape(-1, 16)
-    torch.testing.assert_close(finish_hessian(S, n), 2 / flat.shape[0] * flat.T @ flat, rtol=1e-5, atol=1e-6)
-    assert n == 30
+        acc.add(chunk.bfloat16())
+    flat = x.bfloat16().float().reshape(-1, 16)
+    H = acc.hessian()
+    torch.testing.assert_close(H, 2 / flat.shape[0] * flat.T @ flat, rtol=1e-5, atol=1e-6)
+    assert torch.equal(H, H.t()) and acc.tokens == 30
+    with pytest.raises(ValueError, match="width 8"):
+        acc.add(torch.zeros(2, 8))
+
+
+def test_inverse_hessian_factor_is_the_upper_cholesky_of_the_inverse():
+    _, H = _problem(n=96)
+    U = inverse_hessian_factor(H, 0.01)
+    damped = H + 0.01 * H.diagonal().mean() * torch.eye(96)
+    assert torch.equal(U, U.triu()) and (U.diagonal() > 0).all()
+    torch.testing.assert_close(U.t() @ U @ damped, torch.eye(96), atol=2e-4, rtol=0)
 
 
 @pytest.mark.parametrize("recipe", ["gptq-w4a16", "gptq-w4a16-asym", "gptq-w8a16"])

@@ -42,7 +42,9 @@ if "recording-rtn" not in ALGORITHMS:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
 def test_layer_inputs_match_the_quantized_model(arch, tiny_models, tokenizer):
-    """q_proj of layer i must see exactly what it sees in the final model (layers < i quantized)."""
+    """q_proj of layer i must see exactly what it sees in the final model (layers < i quantized).
+
+    (Later linears of layer i see its float outputs: the layer is calibrated in one forward.)"""
     RecordingRTN.seen.clear()
     RecordingRTN.groups_seen.clear()
     batches = [sample_ids(tokenizer, 2, 24), sample_ids(tokenizer, 1, 20)]
@@ -51,21 +53,36 @@ def test_layer_inputs_match_the_quantized_model(arch, tiny_models, tokenizer):
     )
     layers = adapter.layers(model)
     for li, layer in enumerate(layers):
-        name = f"model.layers.{li}.self_attn.q_proj"
-        expected = []
-        handle = layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: expected.append(a[0].clone()))
-        with torch.no_grad():
-            for b in batches:
-                model(input_ids=b, use_cache=False)
-        handle.remove()
-        got = RecordingRTN.seen[name]
-        assert len(got) == len(batches)
-        for g, e in zip(got, expected):
-            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        for rel in ("self_attn.q_proj",):
+            expected = []
+            module = layer.get_submodule(rel)
+            handle = module.register_forward_pre_hook(lambda m, a: expected.append(a[0].clone()))
+            with torch.no_grad():
+                for b in batches:
+                    model(input_ids=b, use_cache=False)
+            handle.remove()
+            got = RecordingRTN.seen[f"model.layers.{li}.{rel}"]
+            assert len(got) == len(batches)
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
     # linears sharing an input were handed over as one group
     first = RecordingRTN.groups_seen[0]
     assert ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"] in first
     assert ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"] in first
+
+
+def test_observe_layer_stops_after_the_last_linear_input(tiny_llama, tokenizer):
+    from quantkit.calibration.capture import capture_layer_inputs, observe_layer
+
+    model = quantkit.load(tiny_llama, dtype=torch.float32)
+    layers = model.model.layers
+    inputs = capture_layer_inputs(model, layers, [sample_ids(tokenizer, 1, 12), sample_ids(tokenizer, 2, 12)])
+    linears = {n: m for n, m in layers[0].named_modules() if isinstance(m, torch.nn.Linear)}
+    seen, down_ran = [], []
+    layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: down_ran.append(True))
+    observe_layer(layers[0], inputs.hidden, inputs.kwargs[0], linears, lambda name, x: seen.append((name, x.shape[0])))
+    assert sorted(n for n, b in seen if b == 1) == sorted(linears) and sorted(n for n, b in seen if b == 2) == sorted(linears)
+    assert not down_ran  # every input was observed before down_proj's matmul, which never ran
 
 
 def test_layer0_inputs_equal_float_model(tiny_llama, tokenizer):

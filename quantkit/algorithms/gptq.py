@@ -4,14 +4,14 @@ input), the solver in `quantkit.quant.gptq`, dampening escalation and a loud RTN
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 from pydantic import Field
 from torch import nn
 
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
-from quantkit.quant.gptq import HessianError, accumulate_hessian, finish_hessian, gptq_quantize, hessian_error
+from quantkit.quant.gptq import HessianError, gptq_quantize, hessian_error
+from quantkit.quant.hessian import HessianAccumulator
 from quantkit.quant.intq import QuantizedWeight, rtn
 from quantkit.registry import ALGORITHMS
 
@@ -35,22 +35,23 @@ class GPTQ(Algorithm):
 
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
         self._leader = {name: group[0] for group in groups for name in group}
-        self._H: dict[str, Optional[torch.Tensor]] = {}
-        self._n: dict[str, int] = {}
+        self._H: dict[str, HessianAccumulator] = {}
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         if self._leader[name] != name:
             return  # the group's first linear accumulates the shared Hessian
-        self._H[name], self._n[name] = accumulate_hessian(self._H.get(name), self._n.get(name, 0), x)
+        if name not in self._H:
+            self._H[name] = HessianAccumulator(x.shape[-1])
+        self._H[name].add(x)
 
     def quantize_layer(
         self, linears: dict[str, nn.Linear], groups: list[list[str]], scale_dtype: torch.dtype
     ) -> dict[str, QuantizedWeight]:
         out = {}
         for group in groups:
-            S = self._H.get(group[0])
-            assert S is not None, f"no calibration input reached {group[0]}"
-            H = finish_hessian(S, self._n[group[0]])
+            acc = self._H.get(group[0])
+            assert acc is not None, f"no calibration input reached {group[0]}"
+            H = acc.hessian()
             # rows are independent given H: linears sharing an input are solved as one stacked matrix
             W = torch.cat([linears[n].weight.data for n in group])  # [sum(out), in]
             qw, solve = self._solve(", ".join(group), W, H, scale_dtype)
@@ -60,7 +61,7 @@ class GPTQ(Algorithm):
                 out[name] = _rows(qw, rows)
                 self.report[name] = self._metrics(linears[name].weight.data, out[name], H, scale_dtype, solve)
                 start = rows.stop
-        self._H, self._n = {}, {}
+        self._H = {}
         return out
 
     def _solve(

@@ -10,6 +10,7 @@ so the final norm and LM head never run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -57,6 +58,43 @@ def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[
         for layer in layers:
             del layer.forward  # drop the instance attribute: the class forward is back
     return LayerInputs(hidden, kwargs)
+
+
+def observe_layer(
+    layer: nn.Module,
+    hidden: list[torch.Tensor],
+    kwargs: list[dict],
+    linears: dict[str, nn.Module],
+    observe: Callable[[str, torch.Tensor], None],
+) -> None:
+    """Run every batch through `layer`, calling observe(name, input) for each of `linears`.
+
+    Only the linears' inputs are wanted, so a batch's forward stops as soon as every one of them
+    has seen it: what follows the last one (e.g. the down projection's matmul) never runs.
+    """
+    seen: set[str] = set()
+
+    def pre_hook(name: str):
+        def hook(_module, args):
+            observe(name, args[0])
+            seen.add(name)
+            if len(seen) == len(linears):
+                raise _StopForward
+
+        return hook
+
+    handles = [lin.register_forward_pre_hook(pre_hook(name)) for name, lin in linears.items()]
+    try:
+        with torch.no_grad():
+            for h, kw in zip(hidden, kwargs):
+                seen.clear()
+                try:
+                    layer(h, **kw)
+                except _StopForward:
+                    pass
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def run_layer(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:

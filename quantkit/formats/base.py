@@ -24,7 +24,10 @@ class QuantFormat(ABC):
 
     @abstractmethod
     def build_module(self, qw: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
-        """The in-memory quantized module holding `qw` (its state_dict is what is saved)."""
+        """The in-memory quantized module holding `qw` (its state_dict is what is saved).
+
+        The module must have `dequantize(dtype) -> Tensor` returning the weight it computes with.
+        """
 
     @abstractmethod
     def empty_module(self, linear: nn.Linear, scheme: QuantScheme, scale_dtype: torch.dtype) -> nn.Module:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -33,18 +32,21 @@ def hessian_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> floa
 
 
 def inverse_hessian_factor(H: torch.Tensor, dampening_frac: float) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp I)^-1, damp = dampening_frac * mean(diag H)."""
+    """Upper Cholesky factor U of (H + damp I)^-1 (U^T U = (H + damp I)^-1), damp = dampening_frac * mean(diag H).
+
+    One factorization and one triangular inverse: with J the order-reversing permutation and
+    J (H + damp I) J = L L^T, U = J L^-1 J is upper triangular and U^T U = J L^-T L^-1 J = (H + damp I)^-1.
+    (About twice as fast as inverting and factorizing again.)
+    """
     H = H.clone()
-    damp = dampening_frac * torch.mean(torch.diag(H))
-    idx = torch.arange(H.shape[0])
-    H[idx, idx] += damp
-    L, info = torch.linalg.cholesky_ex(H)
+    H.diagonal().add_(dampening_frac * torch.mean(torch.diag(H)))
+    L, info = torch.linalg.cholesky_ex(H.flip(0, 1))
     if info.item() != 0:
-        raise HessianError(f"Cholesky of the damped Hessian failed at column {info.item() - 1}")
-    Hinv = torch.cholesky_inverse(L)
-    U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-    if info.item() != 0 or not torch.isfinite(U).all():
-        raise HessianError("the inverse Hessian is not positive definite")
+        raise HessianError(f"Cholesky of the damped Hessian failed at column {H.shape[0] - info.item()}")
+    eye = torch.eye(H.shape[0], dtype=H.dtype)
+    U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+    if not torch.isfinite(U).all():
+        raise HessianError("the inverse Hessian factor is not finite")
     return U
 
 
@@ -102,17 +104,25 @@ def gptq_quantize(
             s_blk, z_blk = s_cols[i1:i2], z_cols[i1:i2]
         else:  # filled group by group below, as each group's first column is reached
             s_blk, z_blk = torch.empty_like(W1), torch.zeros_like(W1)
-        inv_d = 1.0 / torch.diagonal(Hinv1)
+        neg_inv_d = (-1.0 / torch.diagonal(Hinv1)).tolist()
+        Q1 = Qt[i1:i2]
+        # one column per step, written into preallocated rows (the loop runs once per input column)
         for i in range(i2 - i1):
             if not static and (i1 + i) % gsize == 0:
                 _group_qparams(W1[i : i + gsize], int(group_of[i1 + i]), scheme, scale_dtype, scale, zp,
                                s_blk[i : i + gsize], z_blk[i : i + gsize])
-            w, s, z = W1[i], s_blk[i], z_blk[i]
-            q = torch.round(w / s + z).clamp_(scheme.qmin, scheme.qmax)
-            Qt[i1 + i] = q
-            err = (w - (q - z) * s).mul_(inv_d[i])
-            W1[i:].addr_(Hinv1[i, i:], err, alpha=-1.0)  # W1[j] -= Hinv1[i, j] * err
-            Err1[i] = err
+            w, s, q, err = W1[i], s_blk[i], Q1[i], Err1[i]
+            torch.div(w, s, out=q)
+            if scheme.symmetric:
+                q.round_().clamp_(scheme.qmin, scheme.qmax)
+                torch.mul(q, s, out=err)
+            else:
+                z = z_blk[i]
+                q.add_(z).round_().clamp_(scheme.qmin, scheme.qmax)
+                torch.sub(q, z, out=err).mul_(s)
+            err.sub_(w).mul_(neg_inv_d[i])  # (w - dequant(q)) / Hinv[i, i]
+            if i + 1 < i2 - i1:
+                W1[i + 1 :].addr_(Hinv1[i, i + 1 :], err, alpha=-1.0)  # W1[j] -= Hinv1[i, j] * err
         W[:, i2:] -= Err1.t() @ Hinv[i1:i2, i2:]  # lazy batch update of the remaining columns
 
     inv = torch.argsort(perm)
@@ -128,20 +138,3 @@ def _group_qparams(cols, g, scheme, scale_dtype, scale, zp, s_out, z_out) -> Non
     if zp is not None:
         zp[:, g] = z
         z_out.copy_(z.float().expand_as(z_out))
-
-
-def accumulate_hessian(S: Optional[torch.Tensor], n: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Running sum S = sum x x^T over tokens (float32) and the token count; x: [..., in].
-
-    The Hessian is finish_hessian(S, n) = 2/n S; keeping the raw sum saves a rescale per batch.
-    """
-    x = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
-    if S is None:
-        S = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32)
-    S.addmm_(x.t(), x)
-    return S, n + x.shape[0]
-
-
-def finish_hessian(S: torch.Tensor, n: int) -> torch.Tensor:
-    """H = 2/n sum x x^T, in place on S."""
-    return S.mul_(2.0 / n)

@@ -1,0 +1,39 @@
+"""Input Hessians H = 2/n sum x x^T of a linear layer, accumulated in float32 from calibration batches.
+
+The sum is symmetric, so only block rows of its upper triangle are accumulated: for each block of
+`BLOCK` rows, S[i:i+b, i:] += x[:, i:i+b]^T x[:, i:]. That skips ~half the multiply-adds of a
+full `addmm`; measured on this project's 2-core CPU with 2048 tokens per update: 1.45x faster at
+width 576, 1.5x at 1536. (BLAS `ssyrk` through scipy was as fast alone, but its OpenBLAS threads
+spin after each call and halved the speed of torch's matmuls in the forward that follows.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128  # rows per block: measured best or near-best at widths 576 and 1536
+
+
+class HessianAccumulator:
+    """Running float32 sum of x^T x over every token given to `add`, and the token count."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.tokens = 0
+        self._upper = torch.zeros(n, n, dtype=torch.float32)  # block rows on and above the diagonal
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add the tokens of x [..., n] (any float dtype; converted to float32 exactly)."""
+        if x.shape[-1] != self.n:
+            raise ValueError(f"input width {x.shape[-1]} does not match the Hessian's {self.n}")
+        rows = x.detach().reshape(-1, self.n).to(device="cpu", dtype=torch.float32)
+        for i in range(0, self.n, BLOCK):
+            self._upper[i : i + BLOCK, i:].addmm_(rows[:, i : i + BLOCK].t(), rows[:, i:])
+        self.tokens += rows.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        """H = 2/tokens * sum x x^T as a full symmetric float32 matrix [n, n]."""
+        if self.tokens == 0:
+            raise ValueError("no tokens were added to the Hessian")
+        upper = self._upper.triu()
+        return (upper + upper.triu(1).t()).mul_(2.0 / self.tokens)
