@@ -1,5 +1,6 @@
 """Imports every built-in plugin module so that each registers itself under its stable name."""
 
+import quantkit.algorithms.awq  # noqa: F401
 import quantkit.algorithms.gptq  # noqa: F401
 import quantkit.algorithms.rtn  # noqa: F401
 import quantkit.arch.builtin  # noqa: F401

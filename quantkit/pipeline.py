@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantkit.algorithms.base import Algorithm
+from quantkit.algorithms.base import Algorithm, LayerContext
 from quantkit.arch.adapter import ArchitectureAdapter
 from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, observe_layer, run_layer
 from quantkit.errors import QuantizationError
@@ -39,7 +39,8 @@ class Stage:
     index: int
     spec: StageSpec
     algorithm: Algorithm
-    modules: list[str]  # full names of the linears this stage quantizes
+    modules: list[str]  # full names of the linears this stage quantizes (or transforms)
+    schemes: dict[str, QuantScheme] = field(default_factory=dict)  # transforms: the scheme each target gets later
 
 
 @dataclass
@@ -66,6 +67,13 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
     for i, spec in enumerate(recipe.stages):
         algo_cls = ALGORITHMS.get(spec.algorithm)
         scheme = spec.scheme.resolve() if spec.scheme is not None else None
+        if not algo_cls.produces_weights and scheme is not None:
+            raise QuantizationError(
+                f"stage {i} ({spec.algorithm}) takes no scheme: it prepares weights for the stage that "
+                f"quantizes them and uses that stage's scheme; remove stages.{i}.scheme"
+            )
+        if algo_cls.produces_weights and scheme is None:
+            raise QuantizationError(f"stage {i} ({spec.algorithm}) needs a scheme, e.g. `scheme: W4A16`")
         algorithm = algo_cls(algo_cls.Config.model_validate(spec.args), scheme)
         names = select_linears(model, spec.targets, spec.ignore)
         outside = [n for n in names if not n.startswith(layers_prefix)]
@@ -86,7 +94,23 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
         stages.append(Stage(i, spec, algorithm, names))
     if not claimed:
         raise QuantizationError("the recipe's targets match no Linear module inside the decoder layers")
+    for stage in stages:
+        if not stage.algorithm.produces_weights:
+            _assign_later_schemes(stage, stages, claimed)
     return stages
+
+
+def _assign_later_schemes(stage: Stage, stages: list[Stage], claimed: dict[str, int]) -> None:
+    """A transform prepares weights for the stage that quantizes them: it must come before it."""
+    missing = [n for n in stage.modules if claimed.get(n, -1) < stage.index]
+    if missing:
+        raise QuantizationError(
+            f"stage {stage.index} ({stage.spec.algorithm}) transforms {missing[0]}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + " but no later stage quantizes it; add a quantizing stage (rtn, gptq) after it "
+            f"or add those modules to stages.{stage.index}.ignore"
+        )
+    stage.schemes = {n: stages[claimed[n]].algorithm.scheme for n in stage.modules}
 
 
 def _check_divisible(model: nn.Module, names: list[str], scheme: QuantScheme, stage: int) -> None:
@@ -133,13 +157,14 @@ def quantize_model(
     result = QuantizationResult()
     inputs = capture_layer_inputs(model, layers, batches) if needs_data else None
     result.add_time("capture layer inputs", start)
+    notes: dict[str, dict] = {}  # what transforms report per linear, logged when it is quantized
     for li in tqdm(range(len(layers)), desc="quantizing layers", unit="layer", disable=not progress):
         prefix = f"{adapter.layers_path}.{li}."
         packed: dict[str, nn.Module] = {}
         for stage in stages:
             names = [n for n in stage.modules if n.startswith(prefix)]
             if names:
-                packed.update(_run_stage(model, layers[li], li, stage, names, adapter, inputs, scale_dtype, result))
+                packed.update(_run_stage(model, layers[li], li, stage, names, adapter, inputs, scale_dtype, result, notes))
         if inputs is not None and li < len(layers) - 1:
             t = time.perf_counter()
             inputs.hidden = run_layer(layers[li], inputs.hidden, inputs.kwargs[li])
@@ -153,14 +178,25 @@ def quantize_model(
 
 
 def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, inputs: Optional[LayerInputs],
-               scale_dtype: torch.dtype, result: QuantizationResult) -> dict[str, nn.Module]:
+               scale_dtype: torch.dtype, result: QuantizationResult, notes: dict[str, dict]) -> dict[str, nn.Module]:
     """Run one stage on one layer. Each quantized linear keeps its float module, now holding the
     dequantized weight (what the packed module computes, but without unpacking per forward), so
     the next stage and the next-inputs forward see the quantized layer; the packed modules are
     returned for the caller to swap in afterwards."""
     linears = {n: model.get_submodule(n) for n in names}
-    groups = _groups(names, adapter, f"{adapter.layers_path}.{li}.")
+    prefix = f"{adapter.layers_path}.{li}."
+    groups = _groups(names, adapter, prefix)
     algorithm = stage.algorithm
+    if not algorithm.produces_weights:
+        t = time.perf_counter()
+        ctx = LayerContext(layer, prefix, linears, {n: stage.schemes[n] for n in names},
+                           inputs.hidden if inputs else [], inputs.kwargs[li] if inputs else [], adapter, scale_dtype)
+        algorithm.transform_layer(ctx)
+        for name, note in algorithm.report.items():
+            notes.setdefault(name, {}).update(note)
+        algorithm.report.clear()
+        result.add_time(f"{stage.spec.algorithm}: transform", t)
+        return {}
     algorithm.begin_layer(linears, groups)
     if algorithm.needs_calibration:
         observe_time = [0.0]
@@ -190,6 +226,7 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
             "algorithm": stage.spec.algorithm,
             "scheme": qw.scheme.short(),
             "sqnr_db": round(sqnr_db(linear.weight.data, dequantized), 3),
+            **notes.pop(name, {}),
             **algorithm.report.pop(name, {}),
         })
         linear.weight.data = dequantized

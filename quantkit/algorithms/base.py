@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import ClassVar, Optional
+from abc import ABC
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -11,6 +12,23 @@ from torch import nn
 
 from quantkit.quant.intq import QuantizedWeight
 from quantkit.schemes import QuantScheme
+
+if TYPE_CHECKING:
+    from quantkit.arch.adapter import ArchitectureAdapter
+
+
+@dataclass
+class LayerContext:
+    """What a transform stage gets for one decoder layer (see `Algorithm.transform_layer`)."""
+
+    layer: nn.Module
+    prefix: str  # full name of the layer + ".", e.g. "model.layers.3."
+    linears: dict[str, nn.Linear]  # the stage's targets in this layer, by full name
+    schemes: dict[str, QuantScheme]  # how the stage that quantizes each target will quantize it
+    hidden: list[torch.Tensor]  # the layer's calibration inputs, per batch
+    kwargs: list[dict]  # the layer's keyword arguments, per batch
+    adapter: "ArchitectureAdapter"
+    scale_dtype: torch.dtype
 
 
 class AlgorithmConfig(BaseModel):
@@ -27,6 +45,10 @@ class Algorithm(ABC):
        linear for every calibration batch (x: [batch, seq, in_features]);
     3. `quantize_layer(...)` returns the quantized weights of that layer's targeted linears;
        per-module figures it wants logged go into `self.report[name]`.
+
+    A transform (`produces_weights = False`, e.g. AWQ scaling) has no scheme of its own: the
+    pipeline gives it, per target, the scheme of the later stage that quantizes that target, and
+    calls `transform_layer(ctx)` instead of steps 1-3.
     """
 
     name: ClassVar[str]
@@ -40,13 +62,17 @@ class Algorithm(ABC):
         self.scheme = scheme
         self.report: dict[str, dict] = {}
 
+    def transform_layer(self, ctx: LayerContext) -> None:
+        """For transforms (`produces_weights = False`): rewrite the layer's float weights in place,
+        leaving its function (nearly) unchanged. Called instead of observe/quantize_layer."""
+        raise NotImplementedError(f"{self.name} is a transform stage but does not implement transform_layer")
+
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
         """Called before the layer's calibration forward; `groups` as in quantize_layer."""
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         """Collect statistics from one calibration batch's input to linear `name`."""
 
-    @abstractmethod
     def quantize_layer(
         self,
         linears: dict[str, nn.Linear],
@@ -57,3 +83,4 @@ class Algorithm(ABC):
 
         `groups` partitions the names into linears that read the same input.
         """
+        raise NotImplementedError(f"{self.name} produces weights but does not implement quantize_layer")

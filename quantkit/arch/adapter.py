@@ -11,11 +11,36 @@ from quantkit.registry import ARCHITECTURES
 
 
 @dataclass(frozen=True)
+class ScaleGroup:
+    """Linears (`balance`) that read the output of one operator (`smooth`: a norm or a linear).
+
+    Scaling the smooth operator's output channels by 1/s and the balance linears' input columns
+    by s leaves the model's function unchanged; AWQ chooses s. `parent` is the module whose
+    output scores a candidate s (the attention block, the MLP, or the balance linear itself).
+    Names are relative to the decoder layer.
+    """
+
+    smooth: str
+    balance: tuple[str, ...]
+    parent: str
+
+
+LLAMA_SCALE_GROUPS = (
+    ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+    ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),  # only where v's out == o's in
+    ScaleGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    ScaleGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+)
+
+
+@dataclass(frozen=True)
 class ArchitectureAdapter:
     """How quantkit walks one model family.
 
     `linear_groups` lists, per decoder layer, the linears (relative names) that read the same
     input; algorithms that collect input statistics (GPTQ Hessians) share them within a group.
+    `scale_groups` are the AWQ mappings; `norm_weight_offset` says how the family's RMSNorm
+    applies its weight: x_normed * (offset + weight) (0 for Llama, 1 for Gemma).
     """
 
     model_type: str
@@ -27,6 +52,8 @@ class ArchitectureAdapter:
         ("mlp.down_proj",),
     )
     needs_bos: bool = False  # evaluation windows must start with BOS (Gemma: ppl ~36 vs ~89)
+    scale_groups: tuple[ScaleGroup, ...] = LLAMA_SCALE_GROUPS
+    norm_weight_offset: float = 0.0
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         obj = model

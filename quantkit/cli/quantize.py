@@ -40,6 +40,11 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress):
     if ratios:
         click.echo(f"Hessian-weighted error relative to RTN: mean {sum(ratios) / len(ratios):.3f}, "
                    f"worst {max(ratios):.3f} (below 1 = better than round-to-nearest)")
+    awq = [r["awq_error_vs_unscaled"] for r in layers if r.get("awq_error_vs_unscaled") is not None]
+    if awq:
+        clip = [r["awq_clip_mean"] for r in layers if "awq_clip_mean" in r]
+        click.echo(f"AWQ block-output error relative to unscaled quantization: mean {sum(awq) / len(awq):.3f}, "
+                   f"worst {max(awq):.3f}" + (f"; mean clip factor {sum(clip) / len(clip):.3f}" if clip else ""))
     fallbacks = [r["name"] for r in layers if r.get("fallback")]
     if fallbacks:
         click.echo(f"WARNING: {len(fallbacks)} layer(s) fell back to RTN: {', '.join(fallbacks)}", err=True)

@@ -1,0 +1,216 @@
+"""AWQ as a pipeline transform: activation-aware scales searched per scale group and folded into
+the preceding operator, then (optionally) a per-group clipping search; a later stage (RTN or
+GPTQ) quantizes the rewritten weights. The maths is in `quantkit.quant.awq`.
+
+Per decoder layer: one float forward over every calibration batch records each scale group's
+input magnitudes, every clipped linear's per-group input second moments, and the calls (inputs
+and outputs) of each group's parent module for the first `search_samples` sequences. Each
+candidate scale is scored by the parent's output error with its balance linears quantized.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from quantkit.algorithms.base import Algorithm, AlgorithmConfig, LayerContext
+from quantkit.arch.adapter import ScaleGroup
+from quantkit.quant.awq import apply_clip, candidate_scales, clip_search, fake_quantize, group_second_moments, weight_magnitude
+from quantkit.registry import ALGORITHMS
+from quantkit.smoothing import fold_scales
+
+log = logging.getLogger(__name__)
+
+
+class AWQConfig(AlgorithmConfig):
+    n_grid: int = Field(20, ge=1)  # scale exponents searched: 0, 1/n, ..., (n-1)/n
+    duo_scaling: bool = True  # scales from activations and weights (x^r / w^(1-r)), else activations only
+    search_samples: int = Field(16, ge=1)  # calibration sequences whose block outputs score a candidate
+    clip: bool = True  # search a clipping range per weight group after scaling
+    clip_n_grid: int = Field(20, ge=1)
+    clip_max_shrink: float = Field(0.5, gt=0, lt=1)  # ranges are shrunk by at most this fraction
+    clip_skip: list[str] = Field(default_factory=lambda: ["*q_proj", "*k_proj"])  # attention logits are sensitive
+    clip_in_search: bool = False  # score each candidate scale with its clipping applied (slower; SmolLM2: 34.01 -> 33.89)
+
+
+@dataclass
+class _Recorded:
+    """What one float forward of the layer leaves for the search."""
+
+    abs_sum: dict[str, torch.Tensor] = field(default_factory=dict)  # per input: sum |x| over tokens
+    moments: dict[str, torch.Tensor] = field(default_factory=dict)  # per input: group second moments
+    tokens: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, list[tuple[tuple, dict, torch.Tensor]]] = field(default_factory=dict)  # parent: (args, kwargs, out)
+
+
+@ALGORITHMS.register("awq")
+class AWQ(Algorithm):
+    name = "awq"
+    Config = AWQConfig
+    needs_calibration = True
+    produces_weights = False
+    config: AWQConfig
+
+    @torch.no_grad()
+    def transform_layer(self, ctx: LayerContext) -> None:
+        groups = self._active_groups(ctx)
+        leader = _input_leaders(ctx)
+        clipped = [n for n in ctx.linears if self.config.clip and not _matches(n, self.config.clip_skip)]
+        rec = self._record(ctx, groups, {leader[n] for n in clipped}, leader)
+        input_scale: dict[str, torch.Tensor] = {}  # linear -> scales its input was divided by
+        for group in groups:
+            scales = self._search(ctx, group, rec, leader, clipped if self.config.clip_in_search else [])
+            if scales is None:
+                continue
+            smooth = ctx.layer.get_submodule(group.smooth)
+            balance = [ctx.layer.get_submodule(b) for b in group.balance]
+            fold_scales(smooth, balance, scales, ctx.adapter.norm_weight_offset)
+            for b in group.balance:
+                input_scale[ctx.prefix + b] = scales
+        for name in clipped:
+            self._clip(ctx, name, rec.moments[leader[name]], input_scale.get(name))
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def _record(self, ctx: LayerContext, groups: list[ScaleGroup], moment_inputs: set[str], leader: dict) -> _Recorded:
+        rec = _Recorded()
+        stat_inputs = {leader[ctx.prefix + g.balance[0]] for g in groups}
+        keep = [True]
+        handles = []
+
+        def input_hook(name: str):
+            def hook(_module, args):
+                x = args[0]
+                if name in stat_inputs:
+                    s = x.detach().abs().float().reshape(-1, x.shape[-1]).sum(dim=0)
+                    rec.abs_sum[name] = rec.abs_sum[name] + s if name in rec.abs_sum else s
+                    rec.tokens[name] = rec.tokens.get(name, 0) + x.numel() // x.shape[-1]
+                if name in moment_inputs:
+                    m = group_second_moments(x.detach(), ctx.schemes[name])
+                    rec.moments[name] = rec.moments[name] + m if name in rec.moments else m
+            return hook
+
+        def parent_hook(rel: str):
+            def hook(_module, args, kwargs, output):
+                if keep[0]:
+                    out = output[0] if isinstance(output, tuple) else output
+                    rec.calls.setdefault(rel, []).append((args, kwargs, out.detach()))
+            return hook
+
+        for name in stat_inputs | moment_inputs:
+            handles.append(ctx.linears[name].register_forward_pre_hook(input_hook(name)))
+        for rel in {g.parent for g in groups}:
+            handles.append(ctx.layer.get_submodule(rel).register_forward_hook(parent_hook(rel), with_kwargs=True))
+        budget = self.config.search_samples
+        try:
+            for h, kw in zip(ctx.hidden, ctx.kwargs):
+                keep[0] = budget > 0
+                ctx.layer(h, **kw)
+                budget -= h.shape[0]
+        finally:
+            for handle in handles:
+                handle.remove()
+        return rec
+
+    # -- scale search ------------------------------------------------------------------------
+
+    def _active_groups(self, ctx: LayerContext) -> list[ScaleGroup]:
+        """The adapter's scale groups that apply here: every balance linear is a target of this
+        stage, the modules exist, and (for a linear smooth operator) the shapes match."""
+        active = []
+        for g in ctx.adapter.scale_groups:
+            names = [ctx.prefix + b for b in g.balance]
+            if not all(n in ctx.linears for n in names):
+                continue
+            try:
+                smooth = ctx.layer.get_submodule(g.smooth)
+                ctx.layer.get_submodule(g.parent)
+            except AttributeError:
+                continue
+            if isinstance(smooth, nn.Linear) and smooth.out_features != ctx.linears[names[0]].in_features:
+                continue  # e.g. v -> o under grouped-query attention: v's outputs are repeated per head group
+            active.append(g)
+        return active
+
+    def _search(self, ctx: LayerContext, group: ScaleGroup, rec: _Recorded, leader: dict, clipped: list[str]):
+        names = [ctx.prefix + b for b in group.balance]
+        schemes = [ctx.schemes[n] for n in names]
+        lead = leader[names[0]]
+        x_mean = rec.abs_sum[lead] / rec.tokens[lead]
+        weights = {n: ctx.linears[n].weight.data for n in names}
+        w_mean = weight_magnitude(list(weights.values()), schemes[0])
+        parent = ctx.layer.get_submodule(group.parent)
+        calls = rec.calls.get(group.parent, [])
+
+        def loss(scales) -> float:
+            for (n, w), scheme in zip(weights.items(), schemes):
+                wf = w.float() if scales is None else w.float() * scales
+                if n in clipped:
+                    wf = apply_clip(wf, self._clip_factors(ctx, n, wf, rec.moments[leader[n]], scales), scheme)
+                q = fake_quantize(wf, scheme, ctx.scale_dtype)
+                ctx.linears[n].weight.data = (q if scales is None else q / scales).to(w.dtype)
+            total, count = 0.0, 0
+            for args, kwargs, ref in calls:
+                out = parent(*args, **kwargs)
+                out = out[0] if isinstance(out, tuple) else out
+                total += float((out.float() - ref.float()).pow(2).sum())
+                count += ref.numel()
+            return total / max(count, 1)
+
+        try:
+            base = loss(None)  # quantized without scaling
+            best_err, best_ratio, best = base, None, None
+            for i in range(self.config.n_grid):
+                ratio = i / self.config.n_grid
+                scales = candidate_scales(x_mean, w_mean, ratio, self.config.duo_scaling)
+                err = loss(scales)
+                if not math.isfinite(err):
+                    continue
+                if err < best_err:
+                    best_err, best_ratio, best = err, ratio, scales
+        finally:
+            for n, w in weights.items():
+                ctx.linears[n].weight.data = w
+        for n in names:
+            self.report[n] = {"awq_ratio": best_ratio, "awq_error_vs_unscaled": round(best_err / base, 4) if base > 0 else None}
+        if best is None:
+            log.info("AWQ %s: no scale beats plain quantization; left unscaled", ", ".join(names))
+        return best
+
+    # -- clipping ----------------------------------------------------------------------------
+
+    def _clip_factors(self, ctx: LayerContext, name: str, w: torch.Tensor, moments: torch.Tensor, scales) -> torch.Tensor:
+        """Clip factors of weight w (already multiplied by `scales`, if any) of linear `name`."""
+        if scales is not None:  # the input is then x / s: its moments are C_ij / (s_i s_j) per group
+            sg = (1.0 / scales.float()).reshape(moments.shape[0], -1)
+            moments = moments * sg[:, :, None] * sg[:, None, :]
+        return clip_search(w, moments, ctx.schemes[name], ctx.scale_dtype,
+                           self.config.clip_n_grid, self.config.clip_max_shrink)
+
+    def _clip(self, ctx: LayerContext, name: str, moments: torch.Tensor, scales) -> None:
+        lin, scheme = ctx.linears[name], ctx.schemes[name]
+        factors = self._clip_factors(ctx, name, lin.weight.data, moments, scales)
+        lin.weight.data = apply_clip(lin.weight.data, factors, scheme).to(lin.weight.dtype)
+        self.report.setdefault(name, {})["awq_clip_mean"] = round(float(factors.mean()), 4)
+
+
+def _input_leaders(ctx: LayerContext) -> dict[str, str]:
+    """Each target linear -> the first target reading the same input (inputs are recorded once)."""
+    leader = {}
+    for group in ctx.adapter.linear_groups:
+        names = [ctx.prefix + r for r in group if ctx.prefix + r in ctx.linears]
+        for n in names:
+            leader[n] = names[0]
+    for n in ctx.linears:
+        leader.setdefault(n, n)
+    return leader
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)

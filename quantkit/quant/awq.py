@@ -1,0 +1,89 @@
+"""AWQ maths (Lin et al., 2023): activation-aware per-input-channel scales, and weight clipping.
+
+Pure functions of tensors: no modules, no hooks. A linear y = x W^T is unchanged by
+y = (x / s) (W * s)^T; quantizing W * s instead of W protects the input channels that carry
+large activations. Candidate scales s = x_mean^r / w_mean^(1-r) for a grid of exponents r; the
+caller scores each on the real block output. Clipping then shrinks each group's weight range
+where that lowers the group's output error E[(x_g . (w_g - q(w_g)))^2] = d^T C_g d, C_g being
+the group's input second moment.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.quant.intq import _grouped, rtn
+from quantkit.schemes import QuantScheme
+
+
+def fake_quantize(w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Round-to-nearest quantize-dequantize of w [out, in], in float32."""
+    return rtn(w, scheme, scale_dtype).dequantize(torch.float32)
+
+
+def weight_magnitude(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+    """Per input channel mean of |w| relative to its group's max |w|, over every output row. [in]"""
+    w = torch.cat([x.float() for x in weights])  # [sum(out), in]
+    g = _grouped(w.abs(), scheme)  # [out, groups, gs]
+    g = g / (g.amax(dim=-1, keepdim=True) + 1e-6)
+    return g.reshape(w.shape).mean(dim=0)
+
+
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, duo: bool = True) -> torch.Tensor:
+    """Scales for exponent `ratio`: x_mean^r / w_mean^(1-r) (or x_mean^r), normalised so that
+    max * min = 1 (the geometric middle of the range sits at 1). [in], float32."""
+    x_mean, w_mean = x_mean.float(), w_mean.float()
+    if duo:
+        s = x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)
+    else:
+        s = x_mean.pow(ratio)
+    s = s.clamp(min=1e-4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def group_second_moments(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Sum over tokens of x_g x_g^T for each weight group g: [groups, gs, gs] float32. x: [..., in]."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    groups = scheme.group_count(x.shape[-1])
+    xg = x.reshape(x.shape[0], groups, -1).transpose(0, 1)  # [groups, tokens, gs]
+    return xg.transpose(1, 2) @ xg
+
+
+def clip_search(
+    w: torch.Tensor,
+    moments: torch.Tensor,
+    scheme: QuantScheme,
+    scale_dtype: torch.dtype,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+) -> torch.Tensor:
+    """The best shrink factor of each (row, group) range: [out, groups] in (1 - max_shrink, 1].
+
+    Candidate f scales the group's [min, max] range to [f min, f max]; the weights are clamped
+    to it and quantized; the error is d^T C_g d with d = w - q. f = 1 (no clipping) is always a
+    candidate, so no group ends up worse than plain round-to-nearest.
+    """
+    w = w.float()
+    g = _grouped(w, scheme)  # [out, groups, gs]
+    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    C = moments.float()
+    best_err = torch.full(g.shape[:2], float("inf"))
+    best = torch.ones(g.shape[:2])
+    for step in range(int(max_shrink * n_grid)):
+        f = 1.0 - step / n_grid
+        clipped = torch.maximum(torch.minimum(g, hi * f), lo * f).reshape(w.shape)
+        d = _grouped(w - fake_quantize(clipped, scheme, scale_dtype), scheme)  # [out, groups, gs]
+        dt = d.transpose(0, 1)  # [groups, out, gs]
+        err = ((dt @ C) * dt).sum(dim=-1).t()  # [out, groups]: d^T C_g d per row and group
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, torch.full_like(best, f), best)
+    return best
+
+
+def apply_clip(w: torch.Tensor, factors: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """w [out, in] with each (row, group) clamped to its range shrunk by `factors` [out, groups]."""
+    g = _grouped(w.float(), scheme)
+    f = factors.float().unsqueeze(-1)
+    lo, hi = g.amin(dim=-1, keepdim=True) * f, g.amax(dim=-1, keepdim=True) * f
+    return torch.maximum(torch.minimum(g, hi), lo).reshape(w.shape)

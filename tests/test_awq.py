@@ -1,0 +1,220 @@
+"""AWQ: exact scale folding per architecture, a search that beats no scaling, clipping, determinism, recipes."""
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.algorithms.awq import AWQ, AWQConfig
+from quantkit.algorithms.base import LayerContext
+from quantkit.arch.adapter import adapter_for
+from quantkit.calibration.capture import capture_layer_inputs
+from quantkit.errors import QuantizationError
+from quantkit.quant.awq import apply_clip, candidate_scales, clip_search, fake_quantize, group_second_moments
+from quantkit.quant.intq import rtn
+from quantkit.schemes import QuantScheme
+from quantkit.smoothing import fold_scales
+
+from helpers import quantize_in_memory, sample_ids
+
+W4G16 = QuantScheme(num_bits=4, group_size=16)
+
+
+def _random_model(arch: str, vocab: int, kv_heads: int = 4, bias: bool = False):
+    """A float32 model with non-trivial norm weights (random init leaves them at 1, or 0 for Gemma)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=256)
+    extra = {"gemma3_text": dict(sliding_window=8, query_pre_attn_scalar=16,
+                                 layer_types=["sliding_attention", "full_attention"])}.get(arch, {})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **common, **extra), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand_like(p) * 0.8 + 0.6 - (1.0 if arch == "gemma3_text" else 0.0))
+            elif bias and name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 4), ("llama", 2), ("mistral", 4), ("qwen2", 4), ("qwen3", 4),
+                                           ("gemma3_text", 4), ("gemma3_text", 1)])
+def test_folding_scales_leaves_the_float_model_unchanged(arch, kv_heads, tokenizer):
+    model = _random_model(arch, len(tokenizer), kv_heads, bias=arch == "qwen2")
+    adapter = adapter_for(arch)
+    ids = sample_ids(tokenizer, 2, 20)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    g = torch.Generator().manual_seed(1)
+    folded = 0
+    for layer in adapter.layers(model):
+        for group in adapter.scale_groups:
+            smooth = layer.get_submodule(group.smooth)
+            balance = [layer.get_submodule(b) for b in group.balance]
+            if isinstance(smooth, torch.nn.Linear) and smooth.out_features != balance[0].in_features:
+                continue  # grouped-query v -> o: not a valid fold (the adapter's groups are skipped there too)
+            scales = torch.exp(torch.randn(balance[0].in_features, generator=g) * 0.7)
+            fold_scales(smooth, balance, scales, adapter.norm_weight_offset)
+            folded += 1
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert folded == 2 * (4 if kv_heads == 4 else 3)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_gemma_fold_needs_the_offset(tokenizer):
+    """Folding into Gemma's (1 + w) norm as if it were w changes the model: the offset matters."""
+    model = _random_model("gemma3_text", len(tokenizer))
+    ids = sample_ids(tokenizer, 1, 12)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        layer = model.model.layers[0]
+        fold_scales(layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                    torch.full((64,), 2.0), norm_weight_offset=0.0)
+        assert not torch.allclose(model(input_ids=ids).logits, before, atol=1e-3)
+
+
+def test_fold_rejects_mismatched_shapes():
+    with pytest.raises(QuantizationError, match="do not fit"):
+        fold_scales(torch.nn.Linear(8, 8), [torch.nn.Linear(4, 4)], torch.ones(8))
+
+
+def test_candidate_scales_are_centred_and_follow_activations():
+    x_mean = torch.tensor([0.1, 1.0, 10.0, 100.0])
+    w_mean = torch.full((4,), 0.5)
+    s = candidate_scales(x_mean, w_mean, 0.5)
+    assert torch.isclose(s.max() * s.min(), torch.tensor(1.0))
+    assert torch.all(s[1:] > s[:-1])  # more activation, larger scale
+    flat = candidate_scales(x_mean, w_mean, 0.0)
+    torch.testing.assert_close(flat, torch.ones(4))  # ratio 0 with equal weight magnitudes: no scaling
+
+
+def test_clip_search_never_worse_and_clips_heavy_tails():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 64, generator=g)
+    w[:, ::16] *= 6  # one outlier per group
+    x = torch.randn(512, 64, generator=g)
+    C = group_second_moments(x, W4G16)
+    factors = clip_search(w, C, W4G16, torch.float32)
+
+    def err(weight):
+        d = (w - fake_quantize(weight, W4G16, torch.float32))
+        return ((x @ d.t()) ** 2).sum()
+
+    assert err(apply_clip(w, factors, W4G16)) < err(w)
+    assert (factors < 1).any() and (factors > 0.5).all()
+    # the moments route: d^T C d summed over groups equals the output error of the whole row
+    d = w - fake_quantize(w, W4G16, torch.float32)
+    dg = d.reshape(32, 4, 16)
+    per_group = torch.einsum("ogi,gij,ogj->og", dg, C, dg)
+    xs = x.reshape(512, 4, 16)
+    direct = torch.einsum("tgi,ogi->otg", xs, dg).pow(2).sum(1)
+    torch.testing.assert_close(per_group, direct, rtol=1e-4, atol=1e-3)
+
+
+def _layer_context(tokenizer, outlier_channels=(3, 17, 40)):
+    """Layer 0 of a tiny llama whose inputs carry a few large-magnitude channels (as real LLMs do)."""
+    model = _random_model("llama", len(tokenizer), kv_heads=4)
+    with torch.no_grad():
+        w = model.model.layers[0].input_layernorm.weight
+        for c in outlier_channels:
+            w[c] = 20.0
+    adapter = adapter_for("llama")
+    layers = adapter.layers(model)
+    batches = [sample_ids(tokenizer, 2, 24), sample_ids(tokenizer, 2, 24).flip(1)]
+    inputs = capture_layer_inputs(model, layers, batches)
+    prefix = "model.layers.0."
+    linears = {prefix + n: m for n, m in layers[0].named_modules() if isinstance(m, torch.nn.Linear)}
+    ctx = LayerContext(layers[0], prefix, linears, {n: W4G16 for n in linears}, inputs.hidden, inputs.kwargs[0],
+                       adapter, torch.float32)
+    return model, ctx
+
+
+def _attention_error(ctx) -> float:
+    """Output error of layer 0's attention block with q/k/v round-to-nearest quantized (independent of AWQ)."""
+    attn = ctx.layer.self_attn
+    saved = {n: getattr(attn, n).weight.data.clone() for n in ("q_proj", "k_proj", "v_proj")}
+    outs, total = [], 0.0
+    with torch.no_grad():
+        for h, kw in zip(ctx.hidden, ctx.kwargs):
+            x = ctx.layer.input_layernorm(h)
+            outs.append(attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "use_cache"})[0])
+        for n, w in saved.items():
+            getattr(attn, n).weight.data = rtn(w, W4G16, torch.float32).dequantize()
+        for (h, kw), ref in zip(zip(ctx.hidden, ctx.kwargs), outs):
+            x = ctx.layer.input_layernorm(h)
+            total += float((attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "use_cache"})[0] - ref).pow(2).sum())
+        for n, w in saved.items():
+            getattr(attn, n).weight.data = w
+    return total
+
+
+def test_search_lowers_the_block_error_versus_no_scaling(tokenizer):
+    _, ctx = _layer_context(tokenizer)
+    unscaled = _attention_error(ctx)
+    awq = AWQ(AWQConfig(clip=False), None)
+    awq.transform_layer(ctx)
+    assert _attention_error(ctx) < 0.9 * unscaled
+    q = awq.report["model.layers.0.self_attn.q_proj"]
+    assert q["awq_ratio"] is not None and q["awq_error_vs_unscaled"] < 1
+
+
+def test_transform_is_deterministic_and_keeps_the_float_function(tokenizer):
+    results = []
+    for _ in range(2):
+        model, ctx = _layer_context(tokenizer)
+        ids = sample_ids(tokenizer, 1, 16)
+        with torch.no_grad():
+            before = model(input_ids=ids).logits
+            AWQ(AWQConfig(clip=False), None).transform_layer(ctx)
+            after = model(input_ids=ids).logits
+        torch.testing.assert_close(after, before, rtol=1e-3, atol=1e-3)  # scaling alone is function-preserving
+        results.append({n: p.clone() for n, p in model.state_dict().items()})
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_clipping_changes_only_the_unskipped_linears(tokenizer):
+    _, ctx = _layer_context(tokenizer)
+    awq = AWQ(AWQConfig(n_grid=1, clip_in_search=True), None)  # ratio 0 only; clipping on
+    awq.transform_layer(ctx)
+    clipped = {n for n in ctx.linears if "awq_clip_mean" in awq.report.get(n, {})}
+    assert clipped == {n for n in ctx.linears if not n.endswith(("q_proj", "k_proj"))}
+    assert all(awq.report[n]["awq_clip_mean"] <= 1 for n in clipped)
+    # some groups were clipped: their range shrank below what scaling alone gives
+    gate = "model.layers.0.mlp.gate_proj"
+    assert awq.report[gate]["awq_clip_mean"] < 1
+
+
+@pytest.mark.parametrize("recipe", ["awq-w4a16", "awq-w4a16-asym", "awq-gptq-w4a16"])
+def test_awq_recipes_run_and_round_trip(recipe, tiny_models, tokenizer, tmp_path):
+    from quantkit.export import export_checkpoint
+    from quantkit.formats.compressed_tensors import build_quantization_config
+
+    overrides = ["stages.1.scheme.group_size=32"]
+    batches = [sample_ids(tokenizer, 2, 24)]
+    # qwen3: stored in float32, so the folded norm weights survive export exactly
+    model, adapter, result, storage, _ = quantize_in_memory(tiny_models["qwen3"], recipe, overrides, batches)
+    rows = {r["name"]: r for r in result.layers}
+    assert len(rows) == 3 * 7
+    assert all("awq_ratio" in r for n, r in rows.items() if not n.endswith("o_proj"))  # v -> o skipped: GQA
+    ids = sample_ids(tokenizer, 1, 16)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    export_checkpoint(model, tmp_path / "q", storage_dtype=storage, source=tiny_models["qwen3"],
+                      quantization_config=build_quantization_config(model, result.quantized))
+    with torch.no_grad():
+        got = quantkit.load(tmp_path / "q", dtype=torch.float32)(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_awq_stage_errors(tiny_llama):
+    from quantkit.pipeline import build_stages
+    from quantkit.recipe import load_recipe
+
+    model = quantkit.load(tiny_llama, dtype=torch.float32)
+    adapter = adapter_for("llama")
+    with pytest.raises(QuantizationError, match="takes no scheme"):
+        build_stages(model, adapter, load_recipe("awq-w4a16", ["stages.0.scheme=W4A16"]))
+    with pytest.raises(QuantizationError, match="no later stage quantizes"):
+        build_stages(model, adapter, load_recipe("awq-w4a16", ["stages.1.scheme.group_size=32", "stages.1.ignore=[lm_head, re:.*down_proj]"]))
