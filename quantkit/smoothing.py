@@ -14,12 +14,29 @@ from torch import nn
 from quantkit.errors import QuantizationError
 
 
+def repeated_heads_index(smooth_channels: int, balance_channels: int, head_dim: int) -> torch.Tensor:
+    """Which smooth output channel feeds each balance input channel when heads are repeated.
+
+    Grouped-query attention: v_proj has kv_heads * head_dim outputs, and o_proj reads heads *
+    head_dim inputs, head h using kv head h // (heads / kv_heads). [balance_channels] int64.
+    """
+    if smooth_channels % head_dim or balance_channels % smooth_channels:
+        raise QuantizationError(f"cannot map {balance_channels} inputs onto {smooth_channels} repeated outputs "
+                                f"with head_dim {head_dim}")
+    heads, rep = balance_channels // head_dim, balance_channels // smooth_channels
+    h = torch.arange(heads).repeat_interleave(head_dim)
+    d = torch.arange(head_dim).repeat(heads)
+    return (h // rep) * head_dim + d
+
+
 @torch.no_grad()
-def fold_scales(smooth: nn.Module, balance: list[nn.Linear], scales: torch.Tensor, norm_weight_offset: float = 0.0) -> None:
+def fold_scales(smooth: nn.Module, balance: list[nn.Linear], scales: torch.Tensor, norm_weight_offset: float = 0.0,
+                balance_index: torch.Tensor | None = None) -> None:
     """Divide `smooth`'s output channels by `scales` and multiply the `balance` inputs by them.
 
     `smooth` is a linear (its weight rows and bias are divided) or a norm whose output is
     normalised(x) * (norm_weight_offset + weight) (+ bias): its effective weight is divided.
+    With `balance_index` (see `repeated_heads_index`), balance input j gets scales[balance_index[j]].
     """
     s = scales.float()
     if isinstance(smooth, nn.Linear):
@@ -35,10 +52,11 @@ def fold_scales(smooth: nn.Module, balance: list[nn.Linear], scales: torch.Tenso
     bias = getattr(smooth, "bias", None)
     if bias is not None:
         _set(bias, bias.float() / s)
+    sb = s if balance_index is None else s[balance_index]
     for lin in balance:
-        if lin.in_features != s.numel():
-            raise QuantizationError(f"scales of size {s.numel()} do not fit a linear with {lin.in_features} inputs")
-        _set(lin.weight, lin.weight.float() * s[None, :])
+        if lin.in_features != sb.numel():
+            raise QuantizationError(f"scales of size {sb.numel()} do not fit a linear with {lin.in_features} inputs")
+        _set(lin.weight, lin.weight.float() * sb[None, :])
 
 
 def _set(param: torch.Tensor, value: torch.Tensor) -> None:

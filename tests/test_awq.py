@@ -12,7 +12,7 @@ from quantkit.errors import QuantizationError
 from quantkit.quant.awq import apply_clip, candidate_scales, clip_search, fake_quantize, group_second_moments
 from quantkit.quant.intq import rtn
 from quantkit.schemes import QuantScheme
-from quantkit.smoothing import fold_scales
+from quantkit.smoothing import fold_scales, repeated_heads_index
 
 from helpers import quantize_in_memory, sample_ids
 
@@ -52,14 +52,16 @@ def test_folding_scales_leaves_the_float_model_unchanged(arch, kv_heads, tokeniz
         for group in adapter.scale_groups:
             smooth = layer.get_submodule(group.smooth)
             balance = [layer.get_submodule(b) for b in group.balance]
+            index = None
             if isinstance(smooth, torch.nn.Linear) and smooth.out_features != balance[0].in_features:
-                continue  # grouped-query v -> o: not a valid fold (the adapter's groups are skipped there too)
-            scales = torch.exp(torch.randn(balance[0].in_features, generator=g) * 0.7)
-            fold_scales(smooth, balance, scales, adapter.norm_weight_offset)
+                index = repeated_heads_index(smooth.out_features, balance[0].in_features, head_dim=16)  # GQA v -> o
+            width = balance[0].in_features if index is None else smooth.out_features
+            scales = torch.exp(torch.randn(width, generator=g) * 0.7)
+            fold_scales(smooth, balance, scales, adapter.norm_weight_offset, index)
             folded += 1
     with torch.no_grad():
         after = model(input_ids=ids).logits
-    assert folded == 2 * (4 if kv_heads == 4 else 3)
+    assert folded == 2 * 4
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
 
 
@@ -73,6 +75,14 @@ def test_gemma_fold_needs_the_offset(tokenizer):
         fold_scales(layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
                     torch.full((64,), 2.0), norm_weight_offset=0.0)
         assert not torch.allclose(model(input_ids=ids).logits, before, atol=1e-3)
+
+
+def test_repeated_heads_index_layout():
+    # 2 kv heads x head_dim 2 feeding 4 query heads: heads 0, 1 read kv head 0; heads 2, 3 read kv head 1
+    assert repeated_heads_index(4, 8, head_dim=2).tolist() == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert repeated_heads_index(6, 6, head_dim=3).tolist() == list(range(6))
+    with pytest.raises(QuantizationError):
+        repeated_heads_index(6, 8, head_dim=2)
 
 
 def test_fold_rejects_mismatched_shapes():
@@ -197,7 +207,7 @@ def test_awq_recipes_run_and_round_trip(recipe, tiny_models, tokenizer, tmp_path
     model, adapter, result, storage, _ = quantize_in_memory(tiny_models["qwen3"], recipe, overrides, batches)
     rows = {r["name"]: r for r in result.layers}
     assert len(rows) == 3 * 7
-    assert all("awq_ratio" in r for n, r in rows.items() if not n.endswith("o_proj"))  # v -> o skipped: GQA
+    assert all("awq_ratio" in r for r in rows.values())  # o_proj too: v -> o with scales tied across GQA heads
     ids = sample_ids(tokenizer, 1, 16)
     with torch.no_grad():
         expected = model(input_ids=ids).logits

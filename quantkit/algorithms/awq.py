@@ -14,6 +14,7 @@ import fnmatch
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from pydantic import Field
@@ -23,7 +24,7 @@ from quantkit.algorithms.base import Algorithm, AlgorithmConfig, LayerContext
 from quantkit.arch.adapter import ScaleGroup
 from quantkit.quant.awq import apply_clip, candidate_scales, clip_search, fake_quantize, group_second_moments, weight_magnitude
 from quantkit.registry import ALGORITHMS
-from quantkit.smoothing import fold_scales
+from quantkit.smoothing import fold_scales, repeated_heads_index
 
 log = logging.getLogger(__name__)
 
@@ -64,23 +65,23 @@ class AWQ(Algorithm):
         clipped = [n for n in ctx.linears if self.config.clip and not _matches(n, self.config.clip_skip)]
         rec = self._record(ctx, groups, {leader[n] for n in clipped}, leader)
         input_scale: dict[str, torch.Tensor] = {}  # linear -> scales its input was divided by
-        for group in groups:
-            scales = self._search(ctx, group, rec, leader, clipped if self.config.clip_in_search else [])
+        for group, index in groups:
+            scales = self._search(ctx, group, index, rec, leader, clipped if self.config.clip_in_search else [])
             if scales is None:
                 continue
             smooth = ctx.layer.get_submodule(group.smooth)
             balance = [ctx.layer.get_submodule(b) for b in group.balance]
-            fold_scales(smooth, balance, scales, ctx.adapter.norm_weight_offset)
+            fold_scales(smooth, balance, scales, ctx.adapter.norm_weight_offset, index)
             for b in group.balance:
-                input_scale[ctx.prefix + b] = scales
+                input_scale[ctx.prefix + b] = scales if index is None else scales[index]
         for name in clipped:
             self._clip(ctx, name, rec.moments[leader[name]], input_scale.get(name))
 
     # -- recording ---------------------------------------------------------------------------
 
-    def _record(self, ctx: LayerContext, groups: list[ScaleGroup], moment_inputs: set[str], leader: dict) -> _Recorded:
+    def _record(self, ctx: LayerContext, groups: list, moment_inputs: set[str], leader: dict) -> _Recorded:
         rec = _Recorded()
-        stat_inputs = {leader[ctx.prefix + g.balance[0]] for g in groups}
+        stat_inputs = {leader[ctx.prefix + g.balance[0]] for g, _ in groups}
         keep = [True]
         handles = []
 
@@ -105,7 +106,7 @@ class AWQ(Algorithm):
 
         for name in stat_inputs | moment_inputs:
             handles.append(ctx.linears[name].register_forward_pre_hook(input_hook(name)))
-        for rel in {g.parent for g in groups}:
+        for rel in {g.parent for g, _ in groups}:
             handles.append(ctx.layer.get_submodule(rel).register_forward_hook(parent_hook(rel), with_kwargs=True))
         budget = self.config.search_samples
         try:
@@ -120,9 +121,11 @@ class AWQ(Algorithm):
 
     # -- scale search ------------------------------------------------------------------------
 
-    def _active_groups(self, ctx: LayerContext) -> list[ScaleGroup]:
-        """The adapter's scale groups that apply here: every balance linear is a target of this
-        stage, the modules exist, and (for a linear smooth operator) the shapes match."""
+    def _active_groups(self, ctx: LayerContext) -> list[tuple[ScaleGroup, Optional[torch.Tensor]]]:
+        """The adapter's scale groups that apply here (every balance linear is a target of this
+        stage and the modules exist), each with its balance index: None when the smooth operator's
+        outputs are the balance inputs one to one; for v -> o under grouped-query attention, which
+        v output feeds each o input (the scales are then tied across the repeated heads)."""
         active = []
         for g in ctx.adapter.scale_groups:
             names = [ctx.prefix + b for b in g.balance]
@@ -133,22 +136,33 @@ class AWQ(Algorithm):
                 ctx.layer.get_submodule(g.parent)
             except AttributeError:
                 continue
-            if isinstance(smooth, nn.Linear) and smooth.out_features != ctx.linears[names[0]].in_features:
-                continue  # e.g. v -> o under grouped-query attention: v's outputs are repeated per head group
-            active.append(g)
+            index = None
+            width = ctx.linears[names[0]].in_features
+            if isinstance(smooth, nn.Linear) and smooth.out_features != width:
+                owner = ctx.layer.get_submodule(g.smooth.rpartition(".")[0]) if "." in g.smooth else ctx.layer
+                head_dim = getattr(owner, "head_dim", None)
+                if not isinstance(head_dim, int) or smooth.out_features % head_dim or width % smooth.out_features:
+                    log.debug("AWQ: %s -> %s shapes do not fit; group skipped", g.smooth, g.balance)
+                    continue
+                index = repeated_heads_index(smooth.out_features, width, head_dim)
+            active.append((g, index))
         return active
 
-    def _search(self, ctx: LayerContext, group: ScaleGroup, rec: _Recorded, leader: dict, clipped: list[str]):
+    def _search(self, ctx: LayerContext, group: ScaleGroup, index: Optional[torch.Tensor], rec: _Recorded,
+                leader: dict, clipped: list[str]):
         names = [ctx.prefix + b for b in group.balance]
         schemes = [ctx.schemes[n] for n in names]
         lead = leader[names[0]]
         x_mean = rec.abs_sum[lead] / rec.tokens[lead]
         weights = {n: ctx.linears[n].weight.data for n in names}
         w_mean = weight_magnitude(list(weights.values()), schemes[0])
+        if index is not None:  # one scale per smooth output: average over the balance inputs it feeds
+            x_mean, w_mean = _tied_mean(x_mean, index), _tied_mean(w_mean, index)
         parent = ctx.layer.get_submodule(group.parent)
         calls = rec.calls.get(group.parent, [])
 
-        def loss(scales) -> float:
+        def loss(smooth_scales) -> float:
+            scales = smooth_scales if index is None or smooth_scales is None else smooth_scales[index]
             for (n, w), scheme in zip(weights.items(), schemes):
                 wf = w.float() if scales is None else w.float() * scales
                 if n in clipped:
@@ -198,6 +212,13 @@ class AWQ(Algorithm):
         factors = self._clip_factors(ctx, name, lin.weight.data, moments, scales)
         lin.weight.data = apply_clip(lin.weight.data, factors, scheme).to(lin.weight.dtype)
         self.report.setdefault(name, {})["awq_clip_mean"] = round(float(factors.mean()), 4)
+
+
+def _tied_mean(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over the positions that share each index value."""
+    n = int(index.max()) + 1
+    sums = torch.zeros(n, dtype=torch.float32).index_add_(0, index, values.float())
+    return sums / torch.bincount(index, minlength=n).float()
 
 
 def _input_leaders(ctx: LayerContext) -> dict[str, str]:
