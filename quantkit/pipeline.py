@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from quantkit.algorithms.base import Algorithm, LayerContext
 from quantkit.arch.adapter import ArchitectureAdapter
+from quantkit.arch.moe import all_experts_see_tokens
 from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, observe_layer, run_layer
 from quantkit.errors import QuantizationError
 from quantkit.formats.base import QuantFormat, format_for
@@ -191,7 +192,8 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
         t = time.perf_counter()
         ctx = LayerContext(layer, prefix, linears, {n: stage.schemes[n] for n in names},
                            inputs.hidden if inputs else [], inputs.kwargs[li] if inputs else [], adapter, scale_dtype)
-        algorithm.transform_layer(ctx)
+        with all_experts_see_tokens(layer):
+            algorithm.transform_layer(ctx)
         for name, note in algorithm.report.items():
             notes.setdefault(name, {}).update(note)
         algorithm.report.clear()
@@ -207,7 +209,8 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
             observe_time[0] += time.perf_counter() - t0
 
         t = time.perf_counter()
-        observe_layer(layer, inputs.hidden, inputs.kwargs[li], linears, observe)
+        with all_experts_see_tokens(layer):
+            observe_layer(layer, inputs.hidden, inputs.kwargs[li], linears, observe)
         forward = time.perf_counter() - t
         result.add_seconds(f"{stage.spec.algorithm}: calibration forward", forward - observe_time[0])
         result.add_seconds(f"{stage.spec.algorithm}: observe (statistics)", observe_time[0])

@@ -30,13 +30,14 @@ def repeated_heads_index(smooth_channels: int, balance_channels: int, head_dim: 
 
 
 @torch.no_grad()
-def fold_scales(smooth: nn.Module, balance: list[nn.Linear], scales: torch.Tensor, norm_weight_offset: float = 0.0,
+def fold_scales(smooth: nn.Module, balance: list[nn.Module], scales: torch.Tensor, norm_weight_offset: float = 0.0,
                 balance_index: torch.Tensor | None = None) -> None:
     """Divide `smooth`'s output channels by `scales` and multiply the `balance` inputs by them.
 
     `smooth` is a linear (its weight rows and bias are divided) or a norm whose output is
     normalised(x) * (norm_weight_offset + weight) (+ bias): its effective weight is divided.
-    With `balance_index` (see `repeated_heads_index`), balance input j gets scales[balance_index[j]].
+    Each balance module has a weight [out, in] applied as x @ weight^T (a linear, or e.g. an MoE
+    router). With `balance_index` (see `repeated_heads_index`), balance input j gets scales[balance_index[j]].
     """
     s = scales.float()
     if isinstance(smooth, nn.Linear):
@@ -53,10 +54,12 @@ def fold_scales(smooth: nn.Module, balance: list[nn.Linear], scales: torch.Tenso
     if bias is not None:
         _set(bias, bias.float() / s)
     sb = s if balance_index is None else s[balance_index]
-    for lin in balance:
-        if lin.in_features != sb.numel():
-            raise QuantizationError(f"scales of size {sb.numel()} do not fit a linear with {lin.in_features} inputs")
-        _set(lin.weight, lin.weight.float() * sb[None, :])
+    for mod in balance:
+        weight = getattr(mod, "weight", None)
+        if weight is None or weight.dim() != 2 or weight.shape[1] != sb.numel():
+            raise QuantizationError(f"scales of size {sb.numel()} do not fit {type(mod).__name__} "
+                                    f"with weight {tuple(weight.shape) if weight is not None else None}")
+        _set(weight, weight.float() * sb[None, :])
 
 
 def _set(param: torch.Tensor, value: torch.Tensor) -> None:

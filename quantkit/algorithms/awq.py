@@ -70,7 +70,7 @@ class AWQ(Algorithm):
             if scales is None:
                 continue
             smooth = ctx.layer.get_submodule(group.smooth)
-            balance = [ctx.layer.get_submodule(b) for b in group.balance]
+            balance = [ctx.layer.get_submodule(b) for b in group.balance + group.passthrough]
             fold_scales(smooth, balance, scales, ctx.adapter.norm_weight_offset, index)
             for b in group.balance:
                 input_scale[ctx.prefix + b] = scales if index is None else scales[index]
@@ -127,15 +127,11 @@ class AWQ(Algorithm):
         outputs are the balance inputs one to one; for v -> o under grouped-query attention, which
         v output feeds each o input (the scales are then tied across the repeated heads)."""
         active = []
-        for g in ctx.adapter.scale_groups:
+        for g in ctx.adapter.scale_groups_in(ctx.layer):
             names = [ctx.prefix + b for b in g.balance]
             if not all(n in ctx.linears for n in names):
                 continue
-            try:
-                smooth = ctx.layer.get_submodule(g.smooth)
-                ctx.layer.get_submodule(g.parent)
-            except AttributeError:
-                continue
+            smooth = ctx.layer.get_submodule(g.smooth)
             index = None
             width = ctx.linears[names[0]].in_features
             if isinstance(smooth, nn.Linear) and smooth.out_features != width:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from torch import nn
@@ -23,6 +24,45 @@ class ScaleGroup:
     smooth: str
     balance: tuple[str, ...]
     parent: str
+    passthrough: tuple[str, ...] = ()  # unquantized readers of the smooth output (MoE router): scaled at fold
+
+    def expand(self, module_names: set[str]) -> list["ScaleGroup"]:
+        """Concrete groups for a layer whose modules are `module_names` (relative).
+
+        A `*` stands for one name component (an expert index). In `smooth`, each match gives one
+        group with that index substituted everywhere; elsewhere, `*` takes every match. Groups
+        whose modules do not all exist are dropped.
+        """
+        if "*" in self.smooth:
+            out = []
+            for star in _stars(self.smooth, module_names):
+                sub = lambda p: p.replace("*", star)  # noqa: E731
+                out += ScaleGroup(sub(self.smooth), tuple(map(sub, self.balance)), sub(self.parent),
+                                  tuple(map(sub, self.passthrough))).expand(module_names)
+            return out
+        balance = tuple(n for p in self.balance for n in _glob(p, module_names))
+        passthrough = tuple(n for p in self.passthrough for n in _glob(p, module_names))
+        if not balance or any(n not in module_names for n in (self.smooth, self.parent, *balance, *passthrough)):
+            return []
+        if any("*" not in p and p not in module_names for p in self.balance + self.passthrough):
+            return []
+        return [ScaleGroup(self.smooth, balance, self.parent, passthrough)]
+
+
+def _pattern(p: str) -> "re.Pattern":
+    return re.compile("^" + re.escape(p).replace(r"\*", r"([^.]+)") + "$")
+
+
+def _stars(pattern: str, names: set[str]) -> list[str]:
+    rx = _pattern(pattern)
+    found = [m.group(1) for m in map(rx.match, names) if m]
+    return sorted(found, key=lambda s: (len(s), s))  # 0, 1, ..., 10 in numeric order
+
+
+def _glob(pattern: str, names: set[str]) -> list[str]:
+    if "*" not in pattern:
+        return [pattern]
+    return [pattern.replace("*", star) for star in _stars(pattern, names)]
 
 
 LLAMA_SCALE_GROUPS = (
@@ -65,6 +105,11 @@ class ArchitectureAdapter:
                     "its adapter does not match this checkpoint"
                 )
         return obj
+
+    def scale_groups_in(self, layer: nn.Module) -> list[ScaleGroup]:
+        """The adapter's scale groups made concrete for one decoder layer (see ScaleGroup.expand)."""
+        names = {n for n, _ in layer.named_modules() if n}
+        return [g for group in self.scale_groups for g in group.expand(names)]
 
     def linear_names(self) -> list[str]:
         return [name for group in self.linear_groups for name in group]

@@ -15,3 +15,13 @@ _GEMMA3_SCALE_GROUPS = tuple(
 ARCHITECTURES.add("gemma3_text", ArchitectureAdapter(
     model_type="gemma3_text", needs_bos=True, scale_groups=_GEMMA3_SCALE_GROUPS, norm_weight_offset=1.0,
 ))
+
+# Qwen3-MoE: sparse blocks (experts unfused into per-expert linears, see quantkit.arch.moe) and, in
+# `mlp_only_layers`, dense MLPs; the groups that do not exist in a layer drop out. The router
+# (`mlp.gate`) reads the normed input too: it is scaled with the experts but never quantized.
+_MOE_SCALE_GROUPS = LLAMA_SCALE_GROUPS + (
+    ScaleGroup("post_attention_layernorm", ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj"), "mlp",
+               passthrough=("mlp.gate",)),
+    ScaleGroup("mlp.experts.*.up_proj", ("mlp.experts.*.down_proj",), "mlp.experts.*.down_proj"),
+)
+ARCHITECTURES.add("qwen3_moe", ArchitectureAdapter(model_type="qwen3_moe", scale_groups=_MOE_SCALE_GROUPS))

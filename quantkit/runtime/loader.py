@@ -15,6 +15,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
 from quantkit.formats.checkpoint import iter_tensors, read_config
 from quantkit.formats.compressed_tensors import LoadPlan, parse_quantization_config
@@ -51,6 +52,7 @@ def load(path: Union[str, Path, None], dtype: Optional[torch.dtype] = None) -> P
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         except ValueError as exc:
             raise CheckpointError(f"{path}: transformers cannot build this model: {exc}") from None
+    unfuse_experts(model)  # MoE: one linear per expert, named as in the checkpoint
     quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
     _assign_tensors(model, path, quantized, dtype)
     model.eval()
