@@ -56,3 +56,18 @@ def test_smollm2_gptq_beats_rtn(smollm2, tmp_path):
     p_gptq = perplexity(quantkit.load(gptq.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
     p_rtn = perplexity(quantkit.load(rtn.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
     assert p_gptq < p_rtn
+
+
+def test_smollm2_awq_beats_rtn(smollm2, tmp_path):
+    """AWQ (scales + clipping) then RTN with a small calibration set (16 x 256 tokens) vs plain RTN, group 64."""
+    small = ["stages.1.scheme.group_size=64", "calibration.num_samples=16", "calibration.seq_len=256"]
+    awq = quantize("smollm2-135m", load_recipe("awq-w4a16", small), tmp_path / "a", progress=False)
+    rtn = quantize("smollm2-135m", load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=64"]), tmp_path / "r",
+                   progress=False)
+    ratios = [r["awq_error_vs_unscaled"] for r in awq.result.layers]
+    assert max(ratios) <= 1.0 and sum(ratios) / len(ratios) < 0.9
+    tokenizer = quantkit.load_tokenizer(awq.output)
+    ids = tokenize(tokenizer, load_text("emma"))
+    p_awq = perplexity(quantkit.load(awq.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
+    p_rtn = perplexity(quantkit.load(rtn.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
+    assert p_awq < p_rtn

@@ -157,14 +157,22 @@ class AWQ(Algorithm):
         parent = ctx.layer.get_submodule(group.parent)
         calls = rec.calls.get(group.parent, [])
 
+        smooth = ctx.layer.get_submodule(group.smooth)
+
         def loss(smooth_scales) -> float:
             scales = smooth_scales if index is None or smooth_scales is None else smooth_scales[index]
+            # what folding will really do to the balance inputs: x -> x * factor (1/s up to rounding)
+            factor = None if smooth_scales is None else \
+                _fold_factor(smooth, smooth_scales, ctx.adapter.norm_weight_offset)
+            if factor is not None and index is not None:
+                factor = factor[index]
             for (n, w), scheme in zip(weights.items(), schemes):
-                wf = w.float() if scales is None else w.float() * scales
+                # the balance weight as it will be stored (scaled, in its dtype), clipped, quantized
+                wf = w.float() if scales is None else (w.float() * scales).to(w.dtype).float()
                 if n in clipped:
                     wf = apply_clip(wf, self._clip_factors(ctx, n, wf, rec.moments[leader[n]], scales), scheme)
                 q = fake_quantize(wf, scheme, ctx.scale_dtype)
-                ctx.linears[n].weight.data = (q if scales is None else q / scales).to(w.dtype)
+                ctx.linears[n].weight.data = (q if factor is None else q * factor).to(w.dtype)
             total, count = 0.0, 0
             for args, kwargs, ref in calls:
                 out = parent(*args, **kwargs)
@@ -208,6 +216,20 @@ class AWQ(Algorithm):
         factors = self._clip_factors(ctx, name, lin.weight.data, moments, scales)
         lin.weight.data = apply_clip(lin.weight.data, factors, scheme).to(lin.weight.dtype)
         self.report.setdefault(name, {})["awq_clip_mean"] = round(float(factors.mean()), 4)
+
+
+def _fold_factor(smooth: nn.Module, scales: torch.Tensor, offset: float) -> torch.Tensor:
+    """The factor folding `scales` really applies to the smooth operator's outputs: 1/s, except
+    where the stored parameter's rounding changes it. That matters for norms applying
+    (offset + weight) (Gemma: 1 + w): the folded (1 + w)/s - 1 is stored in the model dtype, and
+    for large s the small 1 + w' left after rounding it can be far from (1 + w)/s."""
+    s = scales.float()
+    if isinstance(smooth, nn.Linear) or offset == 0 or smooth.weight.dtype == torch.float32:
+        return 1.0 / s  # relative rounding only: negligible
+    base = offset + smooth.weight.float()
+    stored = ((base / s) - offset).to(smooth.weight.dtype).float()
+    factor = (offset + stored) / base
+    return torch.where(base.abs() > 1e-6, factor, 1.0 / s)
 
 
 def _tied_mean(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
