@@ -228,3 +228,15 @@ def test_awq_stage_errors(tiny_llama):
         build_stages(model, adapter, load_recipe("awq-w4a16", ["stages.0.scheme=W4A16"]))
     with pytest.raises(QuantizationError, match="no later stage quantizes"):
         build_stages(model, adapter, load_recipe("awq-w4a16", ["stages.1.scheme.group_size=32", "stages.1.ignore=[lm_head, re:.*down_proj]"]))
+
+
+def test_searching_both_grids_is_never_worse_than_one(tokenizer):
+    """duo_scaling "both" searches a superset of the candidates of True (and of False)."""
+    errors = {}
+    for duo in (True, False, "both"):
+        _, ctx = _layer_context(tokenizer)
+        awq = AWQ(AWQConfig(clip=False, duo_scaling=duo), None)
+        awq.transform_layer(ctx)
+        errors[duo] = [awq.report[f"model.layers.0.{n}"]["awq_error_vs_unscaled"]
+                       for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")]
+    assert all(b <= min(t, f) + 1e-12 for b, t, f in zip(errors["both"], errors[True], errors[False]))

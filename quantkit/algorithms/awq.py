@@ -11,10 +11,11 @@ candidate scale is scored by the parent's output error with its balance linears 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import torch
 from pydantic import Field
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 
 class AWQConfig(AlgorithmConfig):
     n_grid: int = Field(20, ge=1)  # scale exponents searched: 0, 1/n, ..., (n-1)/n
-    duo_scaling: bool = True  # scales from activations and weights (x^r / w^(1-r)), else activations only
+    # scales from activations and weights (x^r / w^(1-r)), or activations only (x^r), or both grids searched
+    duo_scaling: Union[bool, Literal["both"]] = True
     search_samples: int = Field(16, ge=1)  # calibration sequences whose block outputs score a candidate
     clip: bool = True  # search a clipping range per weight group after scaling
     clip_n_grid: int = Field(20, ge=1)
@@ -184,9 +186,10 @@ class AWQ(Algorithm):
         try:
             base = loss(None)  # quantized without scaling
             best_err, best_ratio, best = base, None, None
-            for i in range(self.config.n_grid):
+            duo = self.config.duo_scaling
+            for i, use_duo in itertools.product(range(self.config.n_grid), (True, False) if duo == "both" else (duo,)):
                 ratio = i / self.config.n_grid
-                scales = candidate_scales(x_mean, w_mean, ratio, self.config.duo_scaling)
+                scales = candidate_scales(x_mean, w_mean, ratio, use_duo)
                 err = loss(scales)
                 if not math.isfinite(err):
                     continue
