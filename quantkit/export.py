@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from quantkit.arch.adapter import checkpoint_namer
 from quantkit.atomic import atomic_output_dir
 from quantkit.formats.checkpoint import copy_passthrough, write_json, write_weights
 
@@ -16,6 +17,7 @@ def export_tensors(model: nn.Module, storage_dtype: torch.dtype) -> dict[str, to
     """The state dict to save: float tensors in the storage dtype, tied weights stored once."""
     tensors, seen = {}, {}
     tied = getattr(model.config, "tie_word_embeddings", False)
+    ckpt = checkpoint_namer(model)
     for key, t in model.state_dict().items():
         ptr = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         if ptr in seen:
@@ -23,7 +25,7 @@ def export_tensors(model: nn.Module, storage_dtype: torch.dtype) -> dict[str, to
                 continue  # e.g. lm_head.weight tied to embed_tokens.weight
             t = t.clone()
         seen[ptr] = key
-        tensors[key] = t.to(storage_dtype) if t.is_floating_point() else t
+        tensors[ckpt(key)] = t.to(storage_dtype) if t.is_floating_point() else t
     return tensors
 
 

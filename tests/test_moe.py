@@ -120,3 +120,57 @@ def test_moe_quantize_export_reload(recipe, tiny_moe, tokenizer, tmp_path):
     with torch.no_grad():
         got = quantkit.load(out, dtype=torch.float32)(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory, tokenizer):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "mixtral", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_local_experts=N_EXPERTS,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp("mixtral") / "mixtral"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("recipe", ["gptq-w4a16", "awq-w4a16"])
+def test_mixtral_checkpoint_names_both_ways(recipe, tiny_mixtral, tokenizer, tmp_path):
+    """Mixtral files say block_sparse_moe.experts.{e}.w1/w3/w2; the modules are mlp.experts.{e}.gate/up/down_proj."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.export import export_checkpoint
+    from quantkit.formats.compressed_tensors import build_quantization_config
+
+    with safe_open(str(next(tiny_mixtral.glob("*.safetensors"))), "pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.1.w3.weight" in f.keys()  # what transformers writes
+    ids = sample_ids(tokenizer, 2, 20)
+    ours = quantkit.load(tiny_mixtral, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_mixtral, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+    stage = 1 if recipe.startswith("awq") else 0
+    model, _, result, storage, _ = quantize_in_memory(tiny_mixtral, recipe, [f"stages.{stage}.scheme.group_size=32"],
+                                                      [sample_ids(tokenizer, 2, 24)])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    out = tmp_path / "q"
+    export_checkpoint(model, out, storage_dtype=storage, source=tiny_mixtral,
+                      quantization_config=build_quantization_config(model, result.quantized))
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight_packed" in keys
+    assert "model.layers.0.block_sparse_moe.gate.weight" in keys
+    assert not any(".mlp." in k for k in keys)
+    with torch.no_grad():
+        got = quantkit.load(out, dtype=torch.float32)(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 from torch import nn
 
@@ -47,6 +48,16 @@ class ScaleGroup:
         if any("*" not in p and p not in module_names for p in self.balance + self.passthrough):
             return []
         return [ScaleGroup(self.smooth, balance, self.parent, passthrough)]
+
+
+def _rename(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
+    for src, dst in pairs:
+        rx = r"(^|\.)" + re.escape(src).replace(r"\*", r"([^.]+)") + r"(?=\.|$)"
+        repl = r"\1" + dst.replace("*", r"\2")
+        name, n = re.subn(rx, repl, name, count=1)
+        if n:
+            break
+    return name
 
 
 def _pattern(p: str) -> "re.Pattern":
@@ -94,6 +105,16 @@ class ArchitectureAdapter:
     needs_bos: bool = False  # evaluation windows must start with BOS (Gemma: ppl ~36 vs ~89)
     scale_groups: tuple[ScaleGroup, ...] = LLAMA_SCALE_GROUPS
     norm_weight_offset: float = 0.0
+    # (module name fragment, checkpoint name fragment) pairs where the two differ; `*` is one component
+    checkpoint_names: tuple[tuple[str, str], ...] = ()
+
+    def to_checkpoint_name(self, name: str) -> str:
+        """A module/tensor name as the family's checkpoints spell it."""
+        return _rename(name, self.checkpoint_names)
+
+    def to_module_name(self, name: str) -> str:
+        """A checkpoint tensor name as the transformers model (after unfusing experts) spells it."""
+        return _rename(name, tuple((b, a) for a, b in self.checkpoint_names))
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         obj = model
@@ -113,6 +134,17 @@ class ArchitectureAdapter:
 
     def linear_names(self) -> list[str]:
         return [name for group in self.linear_groups for name in group]
+
+
+def find_adapter(model_type: str) -> Optional[ArchitectureAdapter]:
+    """The registered adapter, or None (loading and evaluating need none)."""
+    return ARCHITECTURES.get(model_type) if model_type in ARCHITECTURES else None
+
+
+def checkpoint_namer(model: nn.Module):
+    """name -> the name in this model family's checkpoints (identity for most families)."""
+    adapter = find_adapter(getattr(getattr(model, "config", None), "model_type", ""))
+    return adapter.to_checkpoint_name if adapter and adapter.checkpoint_names else (lambda name: name)
 
 
 def adapter_for(model_type: str) -> ArchitectureAdapter:

@@ -25,3 +25,13 @@ _MOE_SCALE_GROUPS = LLAMA_SCALE_GROUPS + (
     ScaleGroup("mlp.experts.*.up_proj", ("mlp.experts.*.down_proj",), "mlp.experts.*.down_proj"),
 )
 ARCHITECTURES.add("qwen3_moe", ArchitectureAdapter(model_type="qwen3_moe", scale_groups=_MOE_SCALE_GROUPS))
+
+# Mixtral: the same block, but its checkpoints keep the original names (block_sparse_moe, w1/w3/w2),
+# which is also what compressed-tensors checkpoints of it use.
+ARCHITECTURES.add("mixtral", ArchitectureAdapter(model_type="mixtral", scale_groups=_MOE_SCALE_GROUPS, checkpoint_names=(
+    ("mlp.experts.*.gate_proj", "block_sparse_moe.experts.*.w1"),
+    ("mlp.experts.*.up_proj", "block_sparse_moe.experts.*.w3"),
+    ("mlp.experts.*.down_proj", "block_sparse_moe.experts.*.w2"),
+    ("mlp.experts", "block_sparse_moe.experts"),
+    ("mlp.gate", "block_sparse_moe.gate"),
+)))

@@ -15,6 +15,7 @@ from quantkit.errors import CheckpointError, UnknownNameError
 from quantkit.formats.base import QuantFormat
 from quantkit.registry import FORMATS
 from quantkit.schemes import QuantScheme
+from quantkit.arch.adapter import checkpoint_namer
 from quantkit.targets import matches
 
 log = logging.getLogger(__name__)
@@ -24,9 +25,10 @@ FORMAT_VERSION = "0.19.0"  # the compressed-tensors release whose layout we writ
 
 def build_quantization_config(model: nn.Module, quantized: dict[str, tuple[QuantFormat, QuantScheme]]) -> dict:
     """config.json's quantization_config for a model whose modules in `quantized` are quantized."""
+    ckpt = checkpoint_namer(model)  # config names are checkpoint names (Mixtral: block_sparse_moe.*)
     by_group: dict[tuple[str, QuantScheme], list[str]] = {}
     for name, (fmt, scheme) in quantized.items():
-        by_group.setdefault((fmt.name, scheme), []).append(name)
+        by_group.setdefault((fmt.name, scheme), []).append(ckpt(name))
     single = len(by_group) == 1
     groups = {}
     for i, ((fmt_name, scheme), names) in enumerate(sorted(by_group.items(), key=lambda kv: kv[1][0])):
@@ -37,7 +39,7 @@ def build_quantization_config(model: nn.Module, quantized: dict[str, tuple[Quant
             "output_activations": None,
             "format": fmt_name,
         }
-    ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized]
+    ignore = [ckpt(n) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized]
     formats = {fmt for fmt, _ in by_group}
     return {
         "quant_method": QUANT_METHOD,

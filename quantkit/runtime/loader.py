@@ -15,6 +15,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from quantkit.arch.adapter import checkpoint_namer, find_adapter
 from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
 from quantkit.formats.checkpoint import iter_tensors, read_config
@@ -53,8 +54,10 @@ def load(path: Union[str, Path, None], dtype: Optional[torch.dtype] = None) -> P
         except ValueError as exc:
             raise CheckpointError(f"{path}: transformers cannot build this model: {exc}") from None
     unfuse_experts(model)  # MoE: one linear per expert, named as in the checkpoint
+    adapter = find_adapter(config.model_type)
+    to_module = adapter.to_module_name if adapter and adapter.checkpoint_names else (lambda name: name)
     quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
-    _assign_tensors(model, path, quantized, dtype)
+    _assign_tensors(model, path, quantized, dtype, to_module)
     model.eval()
     model.quantkit_source = str(path)
     return model
@@ -62,10 +65,11 @@ def load(path: Union[str, Path, None], dtype: Optional[torch.dtype] = None) -> P
 
 def _swap_quantized_modules(model: nn.Module, plan: LoadPlan, dtype: torch.dtype) -> set[str]:
     swapped = set()
+    ckpt = checkpoint_namer(model)  # the config's targets/ignore use checkpoint names
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
-        group = plan.lookup(name, module)
+        group = plan.lookup(ckpt(name), module)
         if group is None:
             continue
         new = group.format.empty_module(module, group.scheme, dtype)
@@ -77,14 +81,15 @@ def _swap_quantized_modules(model: nn.Module, plan: LoadPlan, dtype: torch.dtype
     return swapped
 
 
-def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: torch.dtype) -> None:
+def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: torch.dtype, to_module) -> None:
     expected = dict(model.state_dict(keep_vars=True))
     loaded: dict[str, torch.Tensor] = {}
     unexpected = []
-    for key, tensor in iter_tensors(path):
+    for stored_key, tensor in iter_tensors(path):
+        key = to_module(stored_key)
         if key not in expected:
             if not key.endswith(IGNORED_EXTRA_KEYS):
-                unexpected.append(key)
+                unexpected.append(stored_key)
             continue
         owner = key.rpartition(".")[0]
         if tensor.is_floating_point() and owner not in quantized:
