@@ -14,15 +14,14 @@ from helpers import quantize_in_memory, sample_ids
 N_EXPERTS = 4
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory, tokenizer):
+def _save_tiny_moe(path, tokenizer, model_type: str, **config_kw):
+    """A float32 two-layer MoE with non-trivial norms and a router that routes, saved by transformers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_experts=N_EXPERTS, num_experts_per_tok=2, num_hidden_layers=2, mlp_only_layers=[1],
+        model_type, vocab_size=len(tokenizer), hidden_size=64, num_experts_per_tok=2, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False, **config_kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -30,11 +29,35 @@ def tiny_moe(tmp_path_factory, tokenizer):
             if "norm" in name:
                 p.copy_(torch.rand_like(p) + 0.5)
             elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)  # a router that actually routes (zeros at init)
-    path = tmp_path_factory.mktemp("moe") / "qwen3-moe"
+                p.normal_(0, 0.5)  # zeros at init
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _quantize_export_reload(source, recipe, tokenizer, out, batches):
+    """Quantize in memory, export, reload: (result, saved tensor names, logits before, logits after reload)."""
+    from quantkit.export import export_checkpoint
+    from quantkit.formats.compressed_tensors import build_quantization_config
+
+    stage = 1 if recipe.startswith("awq") else 0
+    model, _, result, storage, _ = quantize_in_memory(source, recipe, [f"stages.{stage}.scheme.group_size=32"], batches)
+    ids = sample_ids(tokenizer, 1, 16)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    export_checkpoint(model, out, storage_dtype=storage, source=source,
+                      quantization_config=build_quantization_config(model, result.quantized))
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        keys = set(f.keys())
+    with torch.no_grad():
+        got = quantkit.load(out, dtype=torch.float32)(input_ids=ids).logits
+    return result, keys, expected, got
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory, tokenizer):
+    return _save_tiny_moe(tmp_path_factory.mktemp("moe") / "qwen3-moe", tokenizer, "qwen3_moe", intermediate_size=96,
+                          moe_intermediate_size=32, num_experts=N_EXPERTS, mlp_only_layers=[1])
 
 
 def test_load_unfuses_experts_and_matches_transformers(tiny_moe, tokenizer):
@@ -97,58 +120,27 @@ def test_folding_with_router_passthrough_is_exact(tiny_moe, tokenizer):
 
 @pytest.mark.parametrize("recipe", ["gptq-w4a16", "awq-w4a16"])
 def test_moe_quantize_export_reload(recipe, tiny_moe, tokenizer, tmp_path):
-    from quantkit.export import export_checkpoint
-    from quantkit.formats.compressed_tensors import build_quantization_config
-
-    stage = 1 if recipe.startswith("awq") else 0
     batches = [sample_ids(tokenizer, 2, 24), sample_ids(tokenizer, 2, 24).flip(1)]
-    model, adapter, result, storage, _ = quantize_in_memory(
-        tiny_moe, recipe, [f"stages.{stage}.scheme.group_size=32"], batches)
+    result, keys, expected, got = _quantize_export_reload(tiny_moe, recipe, tokenizer, tmp_path / "q", batches)
     names = {r["name"] for r in result.layers}
     assert {f"model.layers.0.mlp.experts.{e}.{p}" for e in range(N_EXPERTS) for p in ("gate_proj", "up_proj", "down_proj")} <= names
     assert "model.layers.1.mlp.down_proj" in names and not any(n.endswith("mlp.gate") for n in names)
-    ids = sample_ids(tokenizer, 1, 16)
-    with torch.no_grad():
-        expected = model(input_ids=ids).logits
-    out = tmp_path / "q"
-    export_checkpoint(model, out, storage_dtype=storage, source=tiny_moe,
-                      quantization_config=build_quantization_config(model, result.quantized))
-    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
-        keys = set(f.keys())
-        assert "model.layers.0.mlp.experts.2.up_proj.weight_packed" in keys
+    assert "model.layers.0.mlp.experts.2.up_proj.weight_packed" in keys
+    with safe_open(str(next((tmp_path / "q").glob("*.safetensors"))), "pt") as f:
         assert f.get_tensor("model.layers.0.mlp.gate.weight").dtype == torch.float32  # router: float, as it was
-    with torch.no_grad():
-        got = quantkit.load(out, dtype=torch.float32)(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
 def tiny_mixtral(tmp_path_factory, tokenizer):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "mixtral", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_local_experts=N_EXPERTS,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)
-    path = tmp_path_factory.mktemp("mixtral") / "mixtral"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _save_tiny_moe(tmp_path_factory.mktemp("mixtral") / "mixtral", tokenizer, "mixtral", intermediate_size=32,
+                          num_local_experts=N_EXPERTS)
 
 
 @pytest.mark.parametrize("recipe", ["gptq-w4a16", "awq-w4a16"])
 def test_mixtral_checkpoint_names_both_ways(recipe, tiny_mixtral, tokenizer, tmp_path):
     """Mixtral files say block_sparse_moe.experts.{e}.w1/w3/w2; the modules are mlp.experts.{e}.gate/up/down_proj."""
     from transformers import AutoModelForCausalLM
-
-    from quantkit.export import export_checkpoint
-    from quantkit.formats.compressed_tensors import build_quantization_config
 
     with safe_open(str(next(tiny_mixtral.glob("*.safetensors"))), "pt") as f:
         assert "model.layers.0.block_sparse_moe.experts.1.w3.weight" in f.keys()  # what transformers writes
@@ -158,19 +150,9 @@ def test_mixtral_checkpoint_names_both_ways(recipe, tiny_mixtral, tokenizer, tmp
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
-    stage = 1 if recipe.startswith("awq") else 0
-    model, _, result, storage, _ = quantize_in_memory(tiny_mixtral, recipe, [f"stages.{stage}.scheme.group_size=32"],
-                                                      [sample_ids(tokenizer, 2, 24)])
-    with torch.no_grad():
-        expected = model(input_ids=ids).logits
-    out = tmp_path / "q"
-    export_checkpoint(model, out, storage_dtype=storage, source=tiny_mixtral,
-                      quantization_config=build_quantization_config(model, result.quantized))
-    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
-        keys = set(f.keys())
+    _, keys, expected, got = _quantize_export_reload(tiny_mixtral, recipe, tokenizer, tmp_path / "q",
+                                                     [sample_ids(tokenizer, 2, 24)])
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight_packed" in keys
     assert "model.layers.0.block_sparse_moe.gate.weight" in keys
     assert not any(".mlp." in k for k in keys)
-    with torch.no_grad():
-        got = quantkit.load(out, dtype=torch.float32)(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

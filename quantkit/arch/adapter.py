@@ -45,14 +45,17 @@ class ScaleGroup:
         passthrough = tuple(n for p in self.passthrough for n in _glob(p, module_names))
         if not balance or any(n not in module_names for n in (self.smooth, self.parent, *balance, *passthrough)):
             return []
-        if any("*" not in p and p not in module_names for p in self.balance + self.passthrough):
-            return []
         return [ScaleGroup(self.smooth, balance, self.parent, passthrough)]
+
+
+def _star_regex(pattern: str) -> str:
+    """Regex source for a dotted name pattern whose `*` (captured) stands for one component."""
+    return re.escape(pattern).replace(r"\*", r"([^.]+)")
 
 
 def _rename(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
     for src, dst in pairs:
-        rx = r"(^|\.)" + re.escape(src).replace(r"\*", r"([^.]+)") + r"(?=\.|$)"
+        rx = r"(^|\.)" + _star_regex(src) + r"(?=\.|$)"
         repl = r"\1" + dst.replace("*", r"\2")
         name, n = re.subn(rx, repl, name, count=1)
         if n:
@@ -60,12 +63,8 @@ def _rename(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
-def _pattern(p: str) -> "re.Pattern":
-    return re.compile("^" + re.escape(p).replace(r"\*", r"([^.]+)") + "$")
-
-
 def _stars(pattern: str, names: set[str]) -> list[str]:
-    rx = _pattern(pattern)
+    rx = re.compile("^" + _star_regex(pattern) + "$")
     found = [m.group(1) for m in map(rx.match, names) if m]
     return sorted(found, key=lambda s: (len(s), s))  # 0, 1, ..., 10 in numeric order
 
@@ -144,7 +143,7 @@ def find_adapter(model_type: str) -> Optional[ArchitectureAdapter]:
 def checkpoint_namer(model: nn.Module):
     """name -> the name in this model family's checkpoints (identity for most families)."""
     adapter = find_adapter(getattr(getattr(model, "config", None), "model_type", ""))
-    return adapter.to_checkpoint_name if adapter and adapter.checkpoint_names else (lambda name: name)
+    return adapter.to_checkpoint_name if adapter else (lambda name: name)
 
 
 def adapter_for(model_type: str) -> ArchitectureAdapter:

@@ -55,7 +55,7 @@ def load(path: Union[str, Path, None], dtype: Optional[torch.dtype] = None) -> P
             raise CheckpointError(f"{path}: transformers cannot build this model: {exc}") from None
     unfuse_experts(model)  # MoE: one linear per expert, named as in the checkpoint
     adapter = find_adapter(config.model_type)
-    to_module = adapter.to_module_name if adapter and adapter.checkpoint_names else (lambda name: name)
+    to_module = adapter.to_module_name if adapter else (lambda name: name)
     quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
     _assign_tensors(model, path, quantized, dtype, to_module)
     model.eval()
