@@ -9,7 +9,7 @@ from quantkit.algorithms.base import LayerContext
 from quantkit.arch.adapter import adapter_for
 from quantkit.calibration.capture import capture_layer_inputs
 from quantkit.errors import QuantizationError
-from quantkit.quant.awq import apply_clip, candidate_scales, clip_search, fake_quantize, group_second_moments
+from quantkit.quant.awq import apply_clip, candidate_scales, clip_candidates, clip_refine, clip_search, diagonal_blocks, fake_quantize
 from quantkit.quant.intq import rtn
 from quantkit.schemes import QuantScheme
 from quantkit.smoothing import fold_scales, repeated_heads_index
@@ -105,7 +105,7 @@ def test_clip_search_never_worse_and_clips_heavy_tails():
     w = torch.randn(32, 64, generator=g)
     w[:, ::16] *= 6  # one outlier per group
     x = torch.randn(512, 64, generator=g)
-    C = group_second_moments(x, W4G16)
+    C = diagonal_blocks(x.t() @ x, W4G16)
     factors = clip_search(w, C, W4G16, torch.float32)
 
     def err(weight):
@@ -121,6 +121,39 @@ def test_clip_search_never_worse_and_clips_heavy_tails():
     xs = x.reshape(512, 4, 16)
     direct = torch.einsum("tgi,ogi->otg", xs, dg).pow(2).sum(1)
     torch.testing.assert_close(per_group, direct, rtol=1e-4, atol=1e-3)
+
+
+def test_diagonal_blocks_are_the_groups_second_moments():
+    x = torch.randn(100, 48, generator=torch.Generator().manual_seed(1))
+    blocks = diagonal_blocks(x.t() @ x, W4G16)
+    assert blocks.shape == (3, 16, 16)
+    for g in range(3):
+        xg = x[:, 16 * g : 16 * (g + 1)]
+        torch.testing.assert_close(blocks[g], xg.t() @ xg)
+
+
+def test_clip_refine_lowers_the_whole_row_error_with_correlated_inputs():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g)
+    w[:, ::16] *= 5
+    # inputs whose channels are correlated across groups: the cross-group blocks of H are far from zero
+    mix = torch.randn(64, 64, generator=g) * 0.3 + torch.eye(64)
+    x = torch.randn(2048, 8, generator=g) @ torch.randn(8, 64, generator=g) + 0.3 * torch.randn(2048, 64, generator=g) @ mix
+    H = x.t() @ x
+    per_group = clip_search(w, diagonal_blocks(H, W4G16), W4G16, torch.float32)
+    joint = clip_refine(w, per_group, H, W4G16, torch.float32, sweeps=3)
+
+    def row_errors(factors):
+        d = w - fake_quantize(apply_clip(w, factors, W4G16), W4G16, torch.float32)
+        return ((d @ H) * d).sum(dim=1)
+
+    before, after = row_errors(per_group), row_errors(joint)
+    assert torch.all(after <= before * (1 + 1e-5))  # coordinate descent never makes a row worse
+    assert after.sum() < 0.9 * before.sum()  # and the cross-group terms are worth using here
+    allowed = torch.tensor(clip_candidates(20, 0.5))
+    assert torch.isin(joint, allowed).all()
+    # no sweeps, or one group per row: the per-group choice is returned as it is
+    assert torch.equal(clip_refine(w, per_group, H, W4G16, torch.float32, sweeps=0), per_group)
 
 
 def _layer_context(tokenizer, outlier_channels=(3, 17, 40)):

@@ -5,7 +5,9 @@ y = (x / s) (W * s)^T; quantizing W * s instead of W protects the input channels
 large activations. Candidate scales s = x_mean^r / w_mean^(1-r) for a grid of exponents r; the
 caller scores each on the real block output. Clipping then shrinks each group's weight range
 where that lowers the group's output error E[(x_g . (w_g - q(w_g)))^2] = d^T C_g d, C_g being
-the group's input second moment.
+the group's input second moment. `clip_refine` then re-chooses the factors against the whole
+row's error d^T H d with the full input Hessian H, whose off-diagonal blocks couple the groups:
+one group's rounding error can partly cancel another's.
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, d
     return s / (s.max() * s.min()).sqrt()
 
 
-def group_second_moments(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """Sum over tokens of x_g x_g^T for each weight group g: [groups, gs, gs] float32. x: [..., in]."""
-    x = x.reshape(-1, x.shape[-1]).float()
-    groups = scheme.group_count(x.shape[-1])
-    xg = x.reshape(x.shape[0], groups, -1).transpose(0, 1)  # [groups, tokens, gs]
-    return xg.transpose(1, 2) @ xg
+def diagonal_blocks(hessian: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """The weight groups' blocks on the diagonal of an [in, in] matrix: [groups, gs, gs]."""
+    n = hessian.shape[0]
+    groups = scheme.group_count(n)
+    gs = n // groups
+    blocks = hessian.reshape(groups, gs, groups, gs).diagonal(dim1=0, dim2=2)  # [gs, gs, groups]
+    return blocks.permute(2, 0, 1).contiguous()
 
 
 def clip_search(
@@ -69,8 +72,7 @@ def clip_search(
     C = moments.float()
     best_err = torch.full(g.shape[:2], float("inf"))
     best = torch.ones(g.shape[:2])
-    for step in range(int(max_shrink * n_grid)):
-        f = 1.0 - step / n_grid
+    for f in clip_candidates(n_grid, max_shrink):
         clipped = torch.maximum(torch.minimum(g, hi * f), lo * f).reshape(w.shape)
         d = _grouped(w - fake_quantize(clipped, scheme, scale_dtype), scheme)  # [out, groups, gs]
         dt = d.transpose(0, 1)  # [groups, out, gs]
@@ -79,6 +81,61 @@ def clip_search(
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, torch.full_like(best, f), best)
     return best
+
+
+def clip_candidates(n_grid: int, max_shrink: float) -> list[float]:
+    """Shrink factors searched: 1, 1 - 1/n, ... down to (not below) 1 - max_shrink."""
+    return [1.0 - step / n_grid for step in range(max(1, int(max_shrink * n_grid)))]
+
+
+def clip_refine(
+    w: torch.Tensor,
+    factors: torch.Tensor,
+    hessian: torch.Tensor,
+    scheme: QuantScheme,
+    scale_dtype: torch.dtype,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+    sweeps: int = 2,
+) -> torch.Tensor:
+    """Coordinate descent on the clip factors [out, groups] of w against each row's full error
+    d^T H d (H: [in, in] input second moment, d = w - q): group by group, every row takes the
+    candidate that lowers its error most given the other groups' current errors. The current
+    choice is always a candidate, so no row's error ever grows."""
+    w = w.float()
+    groups = factors.shape[1]
+    if groups < 2 or sweeps <= 0:
+        return factors
+    H = hessian.float()
+    cands = clip_candidates(n_grid, max_shrink)
+    f_values = torch.tensor(cands)
+    # every candidate's error for every group: [cands, out, in]
+    errs = torch.stack([w - fake_quantize(apply_clip(w, torch.full_like(factors, f), scheme), scheme, scale_dtype)
+                        for f in cands])
+    choice = torch.stack([(factors - f).abs() for f in cands]).argmin(dim=0)  # [out, groups]
+    gs = w.shape[1] // groups
+    cand_idx = choice.repeat_interleave(gs, dim=1)  # [out, in]
+    d = errs.gather(0, cand_idx.unsqueeze(0)).squeeze(0)  # current errors [out, in]
+    r = d @ H  # [out, in]: H d per row
+    rows = torch.arange(w.shape[0])
+    for _ in range(sweeps):
+        changed = 0
+        for g in range(groups):
+            cols = slice(g * gs, (g + 1) * gs)
+            delta = errs[:, :, cols] - d[:, cols]  # [cands, out, gs]
+            gain = 2 * (delta * r[:, cols]).sum(-1) + ((delta @ H[cols, cols]) * delta).sum(-1)  # [cands, out]
+            best = gain.argmin(dim=0)  # [out]
+            moved = best != choice[:, g]
+            if not bool(moved.any()):
+                continue
+            changed += int(moved.sum())
+            step = delta[best, rows]  # [out, gs]
+            d[:, cols] += step
+            r += step @ H[cols, :]
+            choice[:, g] = best
+        if changed == 0:
+            break
+    return f_values[choice]
 
 
 def apply_clip(w: torch.Tensor, factors: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
