@@ -34,7 +34,8 @@ test-fast: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
-	$(BIN)/python bench/quantize.py --help
+	$(BIN)/python bench/kernels.py --device cpu --m 1,16,64,256
+	$(BIN)/python bench/decode.py smollm2-135m $(DEMO_OUT)
 
 clean:
 	rm -rf $(VENV) out build *.egg-info

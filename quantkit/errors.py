@@ -42,3 +42,7 @@ class UnknownNameError(QuantkitError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+
+class KernelError(QuantkitError):
+    """A kernel was forced (QUANTKIT_KERNEL) where it cannot run, or the variable names no kernel."""

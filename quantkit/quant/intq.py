@@ -84,11 +84,16 @@ def dequantize(
     scheme: QuantScheme,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """(q - zero_point) * scale, computed exactly in float32 then cast once to dtype."""
-    g = _grouped(q.float(), scheme)  # [out, groups, gs]
+    """(q - zero_point) * scale, computed exactly in float32 then cast once to dtype.
+
+    When dtype is the 16-bit dtype of the scales, the same values are computed in that dtype
+    (half the memory traffic): q - zero_point is a small integer, exact in it, and the product
+    of two 16-bit floats is exact in float32, so torch's one rounding of it is the same rounding."""
+    work = dtype if dtype == scale.dtype and dtype in (torch.bfloat16, torch.float16) else torch.float32
+    g = _grouped(q.to(work), scheme)  # [out, groups, gs]
     if zero_point is not None:
-        g = g - zero_point.float().unsqueeze(-1)
-    return (g * scale.float().unsqueeze(-1)).reshape(q.shape).to(dtype)
+        g = g - zero_point.to(work).unsqueeze(-1)
+    return (g * scale.to(work).unsqueeze(-1)).reshape(q.shape).to(dtype)
 
 
 def rtn(w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype) -> QuantizedWeight:

@@ -8,6 +8,7 @@ Weights pack along the input dim (dim 1), zero points along the output dim (dim 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -41,6 +42,11 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, n: int, dim: int = 1) -> t
     assert packed.dtype == torch.int32 and packed.ndim == 2, "expected 2-D int32 words"
     assert num_bits in SUPPORTED_BITS, f"packing supports {SUPPORTED_BITS} bits, not {num_bits}"
     per_word = 32 // num_bits
+    if num_bits == 4 and dim == 1 and sys.byteorder == "little" and packed.is_contiguous():
+        # little-endian words: element 2j is the low nibble of byte j, 2j + 1 the high one (1-byte ops)
+        b = packed.view(torch.uint8)
+        u = torch.stack([b & 15, b >> 4], dim=-1).reshape(packed.shape[0], -1)[:, :n]
+        return (u.to(torch.int8) - 8).contiguous()
     p = packed.t() if dim == 0 else packed
     shifts = torch.arange(per_word, dtype=torch.int32, device=p.device) * num_bits
     u = (p.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # [rows, words, per_word]

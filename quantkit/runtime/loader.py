@@ -59,8 +59,23 @@ def load(path: Union[str, Path, None], dtype: Optional[torch.dtype] = None) -> P
     quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
     _assign_tensors(model, path, quantized, dtype, to_module)
     model.eval()
+    prepare_kernels(model, dtype)
     model.quantkit_source = str(path)
     return model
+
+
+def prepare_kernels(model: nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """Choose each quantized linear's kernel for its device and `dtype` inputs and repack its weight
+    now rather than at the first forward. Returns how many modules use each kernel."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        prepare = getattr(module, "prepare", None)
+        if callable(prepare) and hasattr(module, "weight_packed"):
+            name = prepare(module.weight_packed.device, dtype)
+            counts[name] = counts.get(name, 0) + 1
+    if counts:
+        log.info("quantized linears by kernel: %s", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return counts
 
 
 def _swap_quantized_modules(model: nn.Module, plan: LoadPlan, dtype: torch.dtype) -> set[str]:

@@ -1,7 +1,10 @@
 """PackedIntLinear: a linear layer that keeps int weights packed as on disk and dequantizes to run.
 
 Its buffers are exactly the compressed-tensors `pack-quantized` tensors of one module, so
-`state_dict()` is what gets saved and `load_state_dict()` is what gets loaded.
+`state_dict()` is what gets saved and `load_state_dict()` is what gets loaded. The matmul runs
+through the kernel `quantkit.kernels.select` picks for the input's device (Triton on CUDA, the int4
+op on CPU, dequantize + matmul otherwise); a kernel's repacked copy of the weight is made once
+(`prepare`, called by the loader, or at the first forward) and kept outside the state dict.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.kernels import cpu_int4
+from quantkit.kernels.select import choose_int_kernel, forced_kernel
 from quantkit.quant.intq import QuantizedWeight, dequantize
 from quantkit.quant.packing import pack_int32, packed_size, unpack_int32
 from quantkit.schemes import QuantScheme
@@ -42,6 +47,7 @@ class PackedIntLinear(nn.Module):
         else:
             self.weight_zero_point = None
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=scale_dtype, device=device), requires_grad=False) if bias else None
+        self._prepared: Optional[tuple] = None  # (key, kernel name, repacked weight or None)
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: Optional[torch.Tensor]) -> "PackedIntLinear":
@@ -69,7 +75,45 @@ class PackedIntLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.codes(), self.weight_scale, self.zero_points(), self.scheme, dtype)
 
+    @property
+    def kernel_group_size(self) -> int:
+        return self.in_features if self.scheme.strategy == "channel" else self.scheme.group_size
+
+    @property
+    def kernel(self) -> Optional[str]:
+        """The kernel the last prepare() / forward chose (None before either)."""
+        return None if self._prepared is None else self._prepared[1]
+
+    def prepare(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> str:
+        """Choose the kernel for inputs on `device` in `dtype` and repack the weight for it (once per
+        device, dtype, weight version and QUANTKIT_KERNEL value). Returns the kernel's name."""
+        device = torch.device(device) if device is not None else self.weight_packed.device
+        dtype = dtype or self.weight_scale.dtype
+        key = (forced_kernel(), device, dtype, self.weight_packed._version, self.weight_scale._version,
+               None if self.weight_zero_point is None else self.weight_zero_point._version)
+        if self._prepared is not None and self._prepared[0] == key:
+            return self._prepared[1]
+        name = choose_int_kernel(device, self.scheme.num_bits, self.in_features, self.kernel_group_size)
+        packed = None
+        if name == "cpu":
+            packed = cpu_int4.repack(self.codes(), self.weight_scale, self.zero_points(), self.kernel_group_size, dtype)
+        elif name == "triton":
+            from quantkit.kernels import triton_w4a16  # imports triton: only when it is used
+
+            packed = triton_w4a16.repack(self.weight_packed, self.weight_scale, self.zero_points(),
+                                         self.kernel_group_size, self.in_features)
+        self._prepared = (key, name, packed)
+        return name
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        name = self.prepare(x.device, x.dtype)
+        packed = self._prepared[2]
+        if name == "cpu" and x.numel() // self.in_features <= cpu_int4.MAX_TOKENS:
+            return packed.matmul(x, self.bias)
+        if name == "triton":
+            from quantkit.kernels import triton_w4a16
+
+            return triton_w4a16.matmul(x, packed, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 

@@ -1,0 +1,77 @@
+"""Which matmul a quantized linear runs: the fastest that can run here, or the one forced by
+`QUANTKIT_KERNEL` (triton | cpu | torch; unset or `auto` chooses).
+
+- `triton`: CUDA tensors, 4-bit weights, triton importable, compute capability >= 8.0 (bf16
+  tensor cores). Also allowed on CPU tensors under TRITON_INTERPRET=1 (tests).
+- `cpu`: CPU tensors, 4-bit weights whose groups the int4 op supports (`kernels.cpu_int4`).
+- `torch`: dequantize then matmul; any device and bit width: the reference and last resort.
+
+A forced kernel that cannot run raises `KernelError` saying why; the automatic choice falls back
+quietly only between paths that compute the same result (speed differs, quality does not).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+from quantkit.errors import KernelError
+from quantkit.kernels import cpu_int4
+
+ENV = "QUANTKIT_KERNEL"
+KERNELS = ("triton", "cpu", "torch")
+
+
+def forced_kernel() -> Optional[str]:
+    """The kernel named by QUANTKIT_KERNEL, or None for the automatic choice."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in KERNELS:
+        raise KernelError(f"{ENV}={value!r} names no kernel; use one of: auto, {', '.join(KERNELS)}")
+    return value
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_unsupported_reason(device: torch.device, num_bits: int) -> Optional[str]:
+    if num_bits != 4:
+        return f"the Triton kernel takes 4-bit weights, not {num_bits}-bit"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'quantkit[triton]')"
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return f"compute capability {torch.cuda.get_device_capability(device)} < (8, 0)"
+        return None
+    if device.type == "cpu" and _interpreting():
+        return None
+    return f"Triton runs on CUDA devices (or on CPU under TRITON_INTERPRET=1), not on {device.type}"
+
+
+def cpu_unsupported_reason(device: torch.device, num_bits: int, in_features: int, group_size: int) -> Optional[str]:
+    if device.type != "cpu":
+        return f"the CPU int4 path runs on CPU tensors, not on {device.type}"
+    return cpu_int4.unsupported_reason(num_bits, in_features, group_size)
+
+
+def choose_int_kernel(device: torch.device, num_bits: int, in_features: int, group_size: int) -> str:
+    """The kernel for an integer-weight linear on `device` (group_size = in_features when per channel)."""
+    reasons = {
+        "triton": lambda: triton_unsupported_reason(device, num_bits),
+        "cpu": lambda: cpu_unsupported_reason(device, num_bits, in_features, group_size),
+        "torch": lambda: None,
+    }
+    forced = forced_kernel()
+    if forced is not None:
+        reason = reasons[forced]()
+        if reason is not None:
+            raise KernelError(f"{ENV}={forced} cannot run this layer ({num_bits}-bit, in_features {in_features}, "
+                              f"group {group_size}, {device}): {reason}. Unset {ENV} to choose automatically.")
+        return forced
+    order = ("triton", "torch") if device.type == "cuda" else ("cpu", "torch")
+    return next(k for k in order if reasons[k]() is None)
