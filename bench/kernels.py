@@ -2,7 +2,8 @@
 
 Usage: python bench/kernels.py [--device cpu|cuda] [--m 1,16,64,256,2048] [--shapes square,llama3-8b,qwen3-4b]
                                [--peak-gbps X] [--budget 0.3]
-CPU: the int4 op path (`kernels.cpu_int4`) and the torch dequantize path. CUDA: Triton W4A16 (per M,
+CPU: the int4 op (`kernels.cpu_int4`) alone, and the quantized linear as the runner uses it (the op up to
+160 tokens, then dequantize + bf16 GEMM); at M=1 also its torch dequantize path. CUDA: Triton W4A16 (per M,
 the split-K decode kernel or the tiled GEMM, autotuned) and Triton FP8 (per-token x per-channel,
 activation quantization included and also alone). Each figure is the median of repeated runs in
 this process, back to back with the bf16 baseline of the same shape; speedup = bf16 time / time.
@@ -74,8 +75,10 @@ def row(cells: list) -> str:
 
 
 def bench_cpu(shapes, ms, budget):
+    import os
+
     from quantkit.kernels import cpu_int4
-    from quantkit.kernels.reference import int_weight_matmul
+    from quantkit.runtime.qlinear import PackedIntLinear
 
     print(row(["model", "linear", "N x K", "M", "kernel", "us", "TFLOPS", "GB/s", "bf16 us", "speedup vs bf16"]))
     print(row(["---"] * 10))
@@ -83,19 +86,22 @@ def bench_cpu(shapes, ms, budget):
     for model, linear, n, k in shapes:
         qw = int4_weight(n, k, dev)
         packed = cpu_int4.repack(qw.q, qw.scale, None, GROUP, torch.bfloat16)
+        module = PackedIntLinear.from_quantized(qw, None)
         w_bf16 = qw.dequantize(torch.bfloat16)
+        weight_bytes = n * k // 2 + qw.scale.numel() * 2
         for m in ms:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             t_bf16 = timed(lambda: torch.nn.functional.linear(x, w_bf16), dev, budget)
-            runs = [("cpu int4", lambda: packed.matmul(x), n * k // 2 + qw.scale.numel() * 4)]
-            if m <= 16:  # the per-forward dequantize path: the old runner's cost, small M only
-                runs.append(("torch dequant", lambda: int_weight_matmul(x, qw.q, qw.scale, None, GROUP),
-                             n * k + qw.scale.numel() * 2))
-            for name, fn, weight_bytes in runs:
+            runs = [("int4 op", lambda: packed.matmul(x)), ("PackedIntLinear (auto)", lambda: module(x))]
+            if m == 1:
+                runs.append(("PackedIntLinear (torch path)", lambda: module(x)))
+            for name, fn in runs:
+                os.environ["QUANTKIT_KERNEL"] = "torch" if "torch path" in name else "auto"
                 t = timed(fn, dev, budget)
                 moved = weight_bytes + 2 * m * (k + n)
                 print(row([model, linear, f"{n} x {k}", m, name, f"{t * 1e6:.0f}", f"{2 * m * n * k / t / 1e12:.3f}",
                            f"{moved / t / 1e9:.1f}", f"{t_bf16 * 1e6:.0f}", f"{t_bf16 / t:.2f}x"]))
+            os.environ.pop("QUANTKIT_KERNEL", None)
             sys.stdout.flush()
 
 

@@ -27,6 +27,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--dataset", default="emma")
     parser.add_argument("--skip-baseline", action="store_true", help="Only score the quantized model.")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: also score the original through an FP8 KV cache with scales 1.0, and the "
+                             "quantized model through one with its calibrated scales")
     args = parser.parse_args()
 
     from quantkit.eval.report import evaluate_one
@@ -43,8 +46,11 @@ def main() -> None:
         wall = time.perf_counter() - start
         rss = peak_rss_gb()
         text = load_text(args.dataset)
-        base = None if args.skip_baseline else evaluate_one(str(resolve_model(args.model)), text, args.seq_len, args.windows, False)
-        quant = evaluate_one(str(report.output), text, args.seq_len, args.windows, False)
+        source = str(resolve_model(args.model))
+        base = None if args.skip_baseline else evaluate_one(source, text, args.seq_len, args.windows, False)
+        fp8kv = args.kv_cache_dtype == "fp8"
+        base_kv1 = evaluate_one(source, text, args.seq_len, args.windows, False, "fp8") if fp8kv else None
+        quant = evaluate_one(str(report.output), text, args.seq_len, args.windows, False, "fp8" if fp8kv else None)
     print(f"model {args.model}  recipe {recipe.name}  overrides {' '.join(args.overrides) or '-'}")
     print(f"quantize wall time      {wall:8.1f} s   (pipeline {report.result.seconds:.1f} s)")
     for phase, seconds in report.result.timings.items():
@@ -52,7 +58,11 @@ def main() -> None:
     print(f"peak RSS after quantize {rss:8.2f} GB  (before {rss_before:.2f} GB)")
     if base:
         print(f"ppl original            {base['ppl']:8.3f}   ({base['windows']} x {args.seq_len} tokens of {args.dataset})")
-    print(f"ppl quantized           {quant['ppl']:8.3f}" + (f"   delta {quant['ppl'] - base['ppl']:+.3f}" if base else ""))
+    if base_kv1:
+        print(f"ppl original, FP8 KV cache with scales 1.0   {base_kv1['ppl']:8.3f}"
+              + (f"   delta {base_kv1['ppl'] - base['ppl']:+.3f}" if base else ""))
+    label = "ppl quantized" + (", FP8 KV cache with its calibrated scales" if base_kv1 else "")
+    print(f"{label:<24}{quant['ppl']:8.3f}" + (f"   delta {quant['ppl'] - base['ppl']:+.3f}" if base else ""))
     sys.stdout.flush()
 
 

@@ -25,7 +25,8 @@ def export_tensors(model: nn.Module, storage_dtype: torch.dtype) -> dict[str, to
                 continue  # e.g. lm_head.weight tied to embed_tokens.weight
             t = t.clone()
         seen[ptr] = key
-        tensors[ckpt(key)] = t.to(storage_dtype) if t.is_floating_point() else t
+        wide_float = t.is_floating_point() and t.element_size() >= 2  # FP8 codes are stored as they are
+        tensors[ckpt(key)] = t.to(storage_dtype) if wide_float else t
     return tensors
 
 

@@ -48,6 +48,8 @@ class Stage:
 class QuantizationResult:
     quantized: dict[str, tuple[QuantFormat, QuantScheme]] = field(default_factory=dict)
     layers: list[dict] = field(default_factory=list)  # per quantized linear: name, scheme, sqnr_db
+    kv_cache_scheme: Optional[dict] = None  # compressed-tensors kv_cache_scheme when KV scales were calibrated
+    kv_scales: list[dict] = field(default_factory=list)  # per layer: k_scale, v_scale
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over layers
 
@@ -76,6 +78,9 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
         if algo_cls.produces_weights and scheme is None:
             raise QuantizationError(f"stage {i} ({spec.algorithm}) needs a scheme, e.g. `scheme: W4A16`")
         algorithm = algo_cls(algo_cls.Config.model_validate(spec.args), scheme)
+        if getattr(algo_cls, "observes_attention", False):  # layer-level (KV cache): no linear targets
+            stages.append(Stage(i, spec, algorithm, []))
+            continue
         names = select_linears(model, spec.targets, spec.ignore)
         outside = [n for n in names if not n.startswith(layers_prefix)]
         if outside:
@@ -93,12 +98,16 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
                 )
             claimed.update({n: i for n in names})
         stages.append(Stage(i, spec, algorithm, names))
-    if not claimed:
+    if not claimed and not any(_observes_attention(s) for s in stages):
         raise QuantizationError("the recipe's targets match no Linear module inside the decoder layers")
     for stage in stages:
-        if not stage.algorithm.produces_weights:
+        if not stage.algorithm.produces_weights and not _observes_attention(stage):
             _assign_later_schemes(stage, stages, claimed)
     return stages
+
+
+def _observes_attention(stage: Stage) -> bool:
+    return getattr(stage.algorithm, "observes_attention", False)
 
 
 def _assign_later_schemes(stage: Stage, stages: list[Stage], claimed: dict[str, int]) -> None:
@@ -112,6 +121,11 @@ def _assign_later_schemes(stage: Stage, stages: list[Stage], claimed: dict[str, 
             f"or add those modules to stages.{stage.index}.ignore"
         )
     stage.schemes = {n: stages[claimed[n]].algorithm.scheme for n in stage.modules}
+    fp8 = [n for n, sc in stage.schemes.items() if sc.is_fp8]
+    if fp8:
+        raise QuantizationError(
+            f"stage {stage.index} ({stage.spec.algorithm}) prepares int weights, but {fp8[0]} is quantized to FP8 by "
+            f"stage {claimed[fp8[0]]}; FP8's per-channel scales need no such transform: drop stage {stage.index}")
 
 
 def _check_divisible(model: nn.Module, names: list[str], scheme: QuantScheme, stage: int) -> None:
@@ -166,6 +180,13 @@ def quantize_model(
             names = [n for n in stage.modules if n.startswith(prefix)]
             if names:
                 packed.update(_run_stage(model, layers[li], li, stage, names, adapter, inputs, scale_dtype, result, notes))
+        for stage in filter(_observes_attention, stages):  # after the weights: K/V as the quantized layer makes them
+            t = time.perf_counter()
+            report = stage.algorithm.calibrate_layer(layers[li], adapter.attention, inputs.hidden, inputs.kwargs[li],
+                                                     scale_dtype)
+            result.kv_scales.append({"layer": li, **report})
+            result.kv_cache_scheme = stage.algorithm.scheme_config()
+            result.add_time(f"{stage.spec.algorithm}: calibrate", t)
         if inputs is not None and li < len(layers) - 1:
             t = time.perf_counter()
             inputs.hidden = run_layer(layers[li], inputs.hidden, inputs.kwargs[li])

@@ -89,7 +89,7 @@ def quantize(
     }
     export_checkpoint(
         model, out, storage_dtype=storage_dtype, source=source,
-        quantization_config=build_quantization_config(model, result.quantized),
+        quantization_config=build_quantization_config(model, result.quantized, result.kv_cache_scheme),
         extra_files={"recipe.yaml": recipe.to_yaml(), "quantkit.json": json.dumps(metadata, indent=2) + "\n"},
         overwrite=overwrite,
     )

@@ -30,11 +30,13 @@ class SchemeSpec(_Strict):
 
     preset: Optional[str] = None
     num_bits: Optional[int] = None
-    type: Optional[Literal["int"]] = None
+    type: Optional[Literal["int", "float"]] = None
     symmetric: Optional[bool] = None
-    strategy: Optional[Literal["channel", "group"]] = None
+    strategy: Optional[Literal["channel", "group", "tensor", "block"]] = None
     group_size: Optional[int] = None
+    block_structure: Optional[list[int]] = None
     actorder: Optional[Literal["static"]] = None
+    input_activations: Optional[dict[str, Any]] = None  # FP8: {strategy: token} or {strategy: tensor, observer: mse}
 
     @model_validator(mode="before")
     @classmethod
@@ -147,6 +149,11 @@ def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
         if scheme.actorder and not algo.supports_actorder:
             raise RecipeError(f"recipe {label}: stages.{i}.scheme.actorder: algorithm {stage.algorithm!r} "
                               "has no column order; drop actorder or use gptq")
+        if scheme.is_fp8 != algo.supports_fp8 and algo.produces_weights:
+            raise RecipeError(
+                f"recipe {label}: stages.{i}: algorithm {stage.algorithm!r} "
+                + ("quantizes FP8 schemes only; use an int scheme with rtn or gptq" if algo.supports_fp8
+                   else "quantizes int weights; for FP8 schemes use `algorithm: fp8`"))
 
 
 def _format_errors(label: str, exc: ValidationError, root: type[BaseModel], prefix: str = "") -> str:

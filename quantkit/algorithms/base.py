@@ -10,6 +10,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from quantkit.quant.fp8 import Fp8Weight
 from quantkit.quant.intq import QuantizedWeight
 from quantkit.schemes import QuantScheme
 
@@ -56,6 +57,7 @@ class Algorithm(ABC):
     needs_calibration: ClassVar[bool] = False
     produces_weights: ClassVar[bool] = True  # False for transforms that only rewrite float weights
     supports_actorder: ClassVar[bool] = False  # may the scheme say actorder: static
+    supports_fp8: ClassVar[bool] = False  # quantizes FP8 schemes (and only those) instead of int ones
 
     def __init__(self, config: AlgorithmConfig, scheme: Optional[QuantScheme]):
         self.config = config
@@ -78,7 +80,7 @@ class Algorithm(ABC):
         linears: dict[str, nn.Linear],
         groups: list[list[str]],
         scale_dtype: torch.dtype,
-    ) -> dict[str, QuantizedWeight]:
+    ) -> dict[str, "QuantizedWeight | Fp8Weight"]:
         """Quantize one decoder layer's targeted linears (full names -> modules).
 
         `groups` partitions the names into linears that read the same input.

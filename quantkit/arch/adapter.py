@@ -104,6 +104,7 @@ class ArchitectureAdapter:
     needs_bos: bool = False  # evaluation windows must start with BOS (Gemma: ppl ~36 vs ~89)
     scale_groups: tuple[ScaleGroup, ...] = LLAMA_SCALE_GROUPS
     norm_weight_offset: float = 0.0
+    attention: str = "self_attn"  # the attention module inside a decoder layer (holds k_scale / v_scale)
     # (module name fragment, checkpoint name fragment) pairs where the two differ; `*` is one component
     checkpoint_names: tuple[tuple[str, str], ...] = ()
 

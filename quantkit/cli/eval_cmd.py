@@ -22,7 +22,9 @@ def command():
 @click.option("--max-windows", default=16, show_default=True, type=click.IntRange(min=0), help="Windows to score (0 = all).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the results as JSON.")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
-def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path, no_progress):
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="fp8: every model attends through an FP8 KV cache with its calibrated k/v scales (1.0 where absent).")
+def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path, no_progress, kv_cache_dtype):
     """Perplexity of MODELS on a text (the protocol is in evals/PROTOCOL.md).
 
     \b
@@ -30,12 +32,15 @@ def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path,
       quantkit eval ppl smollm2-135m ./smollm2-w4
       quantkit eval ppl ./q1 ./q2 --baseline smollm2-135m --max-windows 4 --json ppl.json
       quantkit eval ppl gemma3-270m --dataset persuasion --seq-len 1024
+      quantkit eval ppl ./smollm2-fp8-kv --kv-cache-dtype fp8
     """
     from quantkit.eval.report import evaluate_many, format_table
 
     names = ([baseline] if baseline else []) + [m for m in models if m != baseline]
-    rows = evaluate_many(names, dataset, text_column, seq_len, max_windows or None, progress=not no_progress)
+    rows = evaluate_many(names, dataset, text_column, seq_len, max_windows or None, progress=not no_progress,
+                         kv_cache_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype)
     click.echo(format_table(rows))
     if json_path:
-        json_path.write_text(json.dumps({"dataset": dataset, "seq_len": seq_len, "results": rows}, indent=2) + "\n")
+        json_path.write_text(json.dumps({"dataset": dataset, "seq_len": seq_len, "kv_cache_dtype": kv_cache_dtype,
+                                         "results": rows}, indent=2) + "\n")
         click.echo(f"Wrote {json_path}")

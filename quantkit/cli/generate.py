@@ -16,7 +16,9 @@ DEFAULT_PROMPT = "It is a truth universally acknowledged"
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
-def command(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat):
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="fp8: keep the KV cache on the FP8 grid with the checkpoint's k/v scales (1.0 where absent).")
+def command(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, kv_cache_dtype):
     """Generate a continuation of PROMPT with MODEL (default smollm2-135m), streamed to the terminal.
 
     \b
@@ -38,7 +40,8 @@ def command(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat
     cfg = SamplingConfig(max_new_tokens, temperature, top_k, top_p, seed)
     if not chat:
         click.echo(prompt, nl=False)
-    result = generate(m, tokenizer, list(ids), cfg, on_text=lambda s: click.echo(s, nl=False))
+    result = generate(m, tokenizer, list(ids), cfg, on_text=lambda s: click.echo(s, nl=False),
+                      kv_cache_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype)
     click.echo()
     click.echo(f"[{len(result.token_ids)} tokens, finish: {result.finish_reason}, prefill {result.prefill_seconds:.2f} s, "
                f"decode {result.decode_tokens_per_second:.1f} tok/s]", err=True)

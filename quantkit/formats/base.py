@@ -37,9 +37,13 @@ class QuantFormat(ABC):
     def weights_config(self, scheme: QuantScheme) -> dict:
         """The `weights` entry of a config group (compressed-tensors QuantizationArgs)."""
 
+    def activations_config(self, scheme: QuantScheme) -> dict | None:
+        """The group's `input_activations` entry (None: activations stay in 16 bits)."""
+        return None
+
     @abstractmethod
-    def scheme_from_config(self, group: str, weights: dict) -> QuantScheme:
-        """Parse a config group's `weights`, rejecting what this format cannot run."""
+    def scheme_from_config(self, group: str, weights: dict, input_activations: dict | None = None) -> QuantScheme:
+        """Parse a config group's `weights` (and `input_activations`), rejecting what this format cannot run."""
 
 
 def format_for(scheme: QuantScheme) -> QuantFormat:

@@ -23,8 +23,10 @@ QUANT_METHOD = "compressed-tensors"
 FORMAT_VERSION = "0.19.0"  # the compressed-tensors release whose layout we write
 
 
-def build_quantization_config(model: nn.Module, quantized: dict[str, tuple[QuantFormat, QuantScheme]]) -> dict:
-    """config.json's quantization_config for a model whose modules in `quantized` are quantized."""
+def build_quantization_config(model: nn.Module, quantized: dict[str, tuple[QuantFormat, QuantScheme]],
+                              kv_cache_scheme: dict | None = None) -> dict:
+    """config.json's quantization_config for a model whose modules in `quantized` are quantized
+    (and whose attention modules hold k_scale / v_scale when kv_cache_scheme is given)."""
     ckpt = checkpoint_namer(model)  # config names are checkpoint names (Mixtral: block_sparse_moe.*)
     by_group: dict[tuple[str, QuantScheme], list[str]] = {}
     for name, (fmt, scheme) in quantized.items():
@@ -35,20 +37,20 @@ def build_quantization_config(model: nn.Module, quantized: dict[str, tuple[Quant
         groups[f"group_{i}"] = {
             "targets": ["Linear"] if single else sorted(names),
             "weights": FORMATS.get(fmt_name).weights_config(scheme),
-            "input_activations": None,
+            "input_activations": FORMATS.get(fmt_name).activations_config(scheme),
             "output_activations": None,
             "format": fmt_name,
         }
-    ignore = [ckpt(n) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized]
+    ignore = [ckpt(n) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized] if quantized else []
     formats = {fmt for fmt, _ in by_group}
     return {
         "quant_method": QUANT_METHOD,
-        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "format": formats.pop() if len(formats) == 1 else ("dense" if not formats else "mixed-precision"),
         "quantization_status": "compressed",
         "version": FORMAT_VERSION,
         "config_groups": groups,
         "ignore": ignore,
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache_scheme,
         "sparsity_config": {},
         "transform_config": {},
         "global_compression_ratio": None,
@@ -69,6 +71,7 @@ class LoadPlan:
 
     groups: tuple[GroupPlan, ...]
     ignore: tuple[str, ...]
+    kv_cache_strategy: str | None = None  # "tensor" | "attn_head" when the checkpoint has k_scale / v_scale
 
     def lookup(self, name: str, module: nn.Module) -> GroupPlan | None:
         if matches(name, module, self.ignore):
@@ -90,8 +93,11 @@ def parse_quantization_config(qc: dict, where: str) -> LoadPlan:
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise CheckpointError(f"{where}: quantization_status {status!r} is not supported; expected 'compressed'")
-    if qc.get("kv_cache_scheme"):
-        log.warning("%s: kv_cache_scheme is present but not used by this runner yet", where)
+    kv = qc.get("kv_cache_scheme")
+    if kv:
+        if kv.get("type") != "float" or kv.get("num_bits") != 8 or kv.get("strategy") not in ("tensor", "attn_head"):
+            raise CheckpointError(f"{where}: kv_cache_scheme {kv} is not supported; supported: FP8 (type float, "
+                                  "8 bits) per tensor or per attention head")
     if qc.get("sparsity_config"):
         raise CheckpointError(f"{where}: sparse checkpoints (sparsity_config) are not supported")
     groups = []
@@ -101,12 +107,13 @@ def parse_quantization_config(qc: dict, where: str) -> LoadPlan:
             fmt = FORMATS.get(fmt_name)
         except UnknownNameError as exc:
             raise CheckpointError(f"{where}: config_groups.{gname}: {exc}") from None
-        if group.get("input_activations") or group.get("output_activations"):
-            raise CheckpointError(
-                f"{where}: config_groups.{gname}: activation quantization with format {fmt_name!r} is not supported"
-            )
+        if group.get("output_activations"):
+            raise CheckpointError(f"{where}: config_groups.{gname}: output activation quantization is not supported")
         if not group.get("weights"):
             raise CheckpointError(f"{where}: config_groups.{gname} has no weights scheme")
-        scheme = fmt.scheme_from_config(gname, group["weights"])
+        try:
+            scheme = fmt.scheme_from_config(gname, group["weights"], group.get("input_activations"))
+        except CheckpointError as exc:
+            raise CheckpointError(f"{where}: {exc}") from None
         groups.append(GroupPlan(gname, tuple(group.get("targets") or ()), fmt, scheme))
-    return LoadPlan(tuple(groups), tuple(qc.get("ignore") or ()))
+    return LoadPlan(tuple(groups), tuple(qc.get("ignore") or ()), kv.get("strategy") if kv else None)

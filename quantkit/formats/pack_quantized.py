@@ -42,7 +42,10 @@ class PackQuantized(QuantFormat):
             "zp_dtype": None if scheme.symmetric else "torch.int8",
         }
 
-    def scheme_from_config(self, group: str, weights: dict) -> QuantScheme:
+    def scheme_from_config(self, group: str, weights: dict, input_activations: dict | None = None) -> QuantScheme:
+        if input_activations:
+            raise CheckpointError(f"config_groups.{group}: activation quantization with format {self.name!r} "
+                                  "(int weights) is not supported")
         where = f"config_groups.{group}.weights"
         if weights.get("type", "int") != "int":
             raise CheckpointError(f"{where}: pack-quantized with type {weights.get('type')!r} is not supported")

@@ -13,6 +13,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from quantkit.runtime.kv_cache import make_cache
+
 
 @dataclass
 class SamplingConfig:
@@ -55,13 +57,15 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator)
 
 @torch.no_grad()
 def generate(model: nn.Module, tokenizer, prompt_ids: list[int], cfg: SamplingConfig,
-             on_text: Optional[Callable[[str], None]] = None) -> Generation:
+             on_text: Optional[Callable[[str], None]] = None, kv_cache_dtype: Optional[str] = None) -> Generation:
     gen = torch.Generator().manual_seed(cfg.seed)
     eos = tokenizer.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
     eos_ids |= set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
     t0 = time.perf_counter()
-    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    first_cache = make_cache(model, kv_cache_dtype)  # None: the model's own cache
+    extra = {} if first_cache is None else {"cache": first_cache}
+    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True, **extra)
     cache = getattr(out, "cache", None) or out.past_key_values  # renamed to `cache` in transformers 5
     tokens: list[int] = [sample_next(out.logits[0, -1], cfg, gen)]
     t1 = time.perf_counter()

@@ -21,6 +21,7 @@ from quantkit.errors import CheckpointError
 from quantkit.formats.checkpoint import iter_tensors, read_config
 from quantkit.formats.compressed_tensors import LoadPlan, parse_quantization_config
 from quantkit.models.resolve import resolve_model
+from quantkit.runtime.kv_cache import attention_modules
 
 log = logging.getLogger(__name__)
 IGNORED_EXTRA_KEYS = ("rotary_emb.inv_freq",)  # written by old exporters, recomputed at init
@@ -57,6 +58,8 @@ def load(path: Union[str, Path, None], dtype: Optional[torch.dtype] = None) -> P
     adapter = find_adapter(config.model_type)
     to_module = adapter.to_module_name if adapter else (lambda name: name)
     quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
+    if plan and plan.kv_cache_strategy:
+        _add_kv_scale_slots(model, plan.kv_cache_strategy)
     _assign_tensors(model, path, quantized, dtype, to_module)
     model.eval()
     prepare_kernels(model, dtype)
@@ -94,6 +97,19 @@ def _swap_quantized_modules(model: nn.Module, plan: LoadPlan, dtype: torch.dtype
     if not swapped and plan.groups:
         raise CheckpointError("quantization_config matches no Linear module of this model")
     return swapped
+
+
+def _add_kv_scale_slots(model: nn.Module, strategy: str) -> None:
+    """Buffers k_scale / v_scale on every attention module, for the checkpoint's KV-cache scales."""
+    modules = attention_modules(model)
+    if not modules:
+        raise CheckpointError("the checkpoint has kv_cache_scheme but this model has no attention modules "
+                              "with k_proj / v_proj to hold k_scale / v_scale")
+    for attn in modules.values():
+        k_proj = attn.k_proj
+        heads = k_proj.out_features // attn.head_dim if strategy == "attn_head" else 1
+        for name in ("k_scale", "v_scale"):
+            attn.register_buffer(name, torch.ones(heads))
 
 
 def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: torch.dtype, to_module) -> None:

@@ -1,0 +1,112 @@
+"""FP8 (e4m3) quantization maths: saturating casts, weight scales, activation scale observers.
+
+Pure functions of tensors. Dequantized value = fp8 value x scale, scale = absmax / 448
+(compressed-tensors' convention). Casts saturate at +-448 and never produce inf or NaN for
+finite input. Weight strategies: per tensor, per output channel, or per [bn, bk] block.
+Activation scales are either dynamic (per token, at run time; `kernels.reference`) or static
+(per tensor, from calibration statistics) with an observer: `minmax` (absmax / 448) or `mse`
+(the absmax shrink factor whose quantize-dequantize error over sampled values is smallest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from quantkit.schemes import QuantScheme
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+TINY = 1e-12  # an all-zero tensor still gets a positive scale (its codes are 0)
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Saturating cast to e4m3 (round to nearest even; |x| > 448 -> +-448). NaN stays NaN."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def scale_from_absmax(absmax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """absmax / 448 in scale_dtype (rounded there once: what the checkpoint stores)."""
+    return (absmax.float().clamp(min=TINY) / FP8_MAX).to(scale_dtype)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes of x / scale (scale broadcast against x), saturating."""
+    return to_fp8(x.float() / scale.float())
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x quantized to e4m3 with `scale` and dequantized, in x's dtype."""
+    return (quantize(x, scale).float() * scale.float()).to(x.dtype)
+
+
+@dataclass
+class Fp8Weight:
+    """A weight in e4m3 with its scales: [1] per tensor, [out, 1] per channel, [out/bn, in/bk] per
+    block; and, for static activation quantization, the input's scale [1]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    strategy: str  # "tensor" | "channel" | "block"
+    block: Optional[tuple[int, int]] = None
+    scheme: Optional[QuantScheme] = None
+    input_scale: Optional[torch.Tensor] = None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_weight(self.q, self.scale, self.strategy, self.block, dtype)
+
+
+def _block_view(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """[out, in] -> [out/bn, bn, in/bk, bk], zero-padded to whole blocks."""
+    bn, bk = block
+    out, inp = w.shape
+    pad_r, pad_c = (-out) % bn, (-inp) % bk
+    if pad_r or pad_c:
+        w = torch.nn.functional.pad(w, (0, pad_c, 0, pad_r))
+    return w.reshape(w.shape[0] // bn, bn, w.shape[1] // bk, bk)
+
+
+def _expand_block_scale(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    bn, bk = block
+    return scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: shape[0], : shape[1]]
+
+
+def quantize_weight(w: torch.Tensor, strategy: str, scale_dtype: torch.dtype,
+                    block: Optional[tuple[int, int]] = None) -> Fp8Weight:
+    """Min-max FP8 quantization of a weight [out, in]."""
+    w = w.float()
+    if strategy == "tensor":
+        scale = scale_from_absmax(w.abs().amax().reshape(1), scale_dtype)
+        return Fp8Weight(quantize(w, scale), scale, strategy)
+    if strategy == "channel":
+        scale = scale_from_absmax(w.abs().amax(dim=1, keepdim=True), scale_dtype)
+        return Fp8Weight(quantize(w, scale), scale, strategy)
+    if strategy == "block":
+        if block is None:
+            raise ValueError("block strategy needs a block structure, e.g. [128, 128]")
+        scale = scale_from_absmax(_block_view(w.abs(), block).amax(dim=(1, 3)), scale_dtype)
+        return Fp8Weight(quantize(w, _expand_block_scale(scale, block, w.shape)), scale, strategy, tuple(block))
+    raise ValueError(f"unknown FP8 weight strategy {strategy!r}; use tensor, channel or block")
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, strategy: str, block: Optional[tuple[int, int]],
+                      dtype: torch.dtype) -> torch.Tensor:
+    s = _expand_block_scale(scale, block, q.shape) if strategy == "block" else scale.float()
+    return (q.float() * s).to(dtype)
+
+
+def mse_scale(samples: torch.Tensor, absmax: float, scale_dtype: torch.dtype, grid: int = 40,
+              max_shrink: float = 0.6) -> torch.Tensor:
+    """The static scale absmax * f / 448, f in (1 - max_shrink, 1], whose quantize-dequantize
+    squared error over `samples` is smallest (clipping a few outliers can buy precision for the rest).
+    f = 1 (min-max) is always a candidate."""
+    x = samples.float().reshape(-1)
+    best, best_err = None, float("inf")
+    for step in range(max(1, int(grid * max_shrink))):
+        scale = scale_from_absmax(torch.tensor([absmax * (1 - step / grid)]), scale_dtype)
+        err = float((fake_quantize(x, scale) - x).pow(2).sum())
+        if err < best_err:
+            best, best_err = scale, err
+    return best

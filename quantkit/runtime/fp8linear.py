@@ -1,0 +1,100 @@
+"""Fp8Linear: a linear layer with e4m3 weights (compressed-tensors `float-quantized`).
+
+Buffers are exactly the checkpoint's tensors: `weight` (float8_e4m3fn [out, in]), `weight_scale`
+([1] per tensor, [out, 1] per channel, [out/bn, in/bk] per block) and, for static activation
+quantization, `input_scale` ([1]). Activations are quantized as the scheme says (dynamic per
+token, or static with input_scale) before the matmul, so the effect of FP8 activations is in
+every output: on CUDA through the Triton FP8 GEMM (per-tensor / per-channel weights), elsewhere
+by emulation (quantize-dequantize with the same scales, then a matmul in the input's dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.errors import KernelError
+from quantkit.kernels.reference import fp8_quantize_per_token
+from quantkit.kernels.select import ENV, forced_kernel, triton_unsupported_reason
+from quantkit.quant.fp8 import FP8_DTYPE, Fp8Weight, dequantize_weight, quantize
+from quantkit.schemes import QuantScheme
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme,
+                 scale_dtype: torch.dtype, device: Optional[torch.device] = None):
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        if scheme.strategy == "tensor":
+            scale_shape = (1,)
+        elif scheme.strategy == "channel":
+            scale_shape = (out_features, 1)
+        else:
+            bn, bk = scheme.block_structure
+            scale_shape = (-(-out_features // bn), -(-in_features // bk))
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=scale_dtype, device=device))
+        acts = scheme.input_activations
+        if acts is not None and not acts.dynamic:
+            self.register_buffer("input_scale", torch.ones(1, dtype=scale_dtype, device=device))
+        else:
+            self.input_scale = None
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=scale_dtype, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_quantized(cls, qw: Fp8Weight, bias: Optional[torch.Tensor]) -> "Fp8Linear":
+        out_features, in_features = qw.q.shape
+        mod = cls(in_features, out_features, bias is not None, qw.scheme, qw.scale.dtype, device=qw.q.device)
+        mod.weight.copy_(qw.q)
+        mod.weight_scale.copy_(qw.scale.reshape(mod.weight_scale.shape))
+        if mod.input_scale is not None:
+            mod.input_scale.copy_(qw.input_scale.reshape(1))
+        if bias is not None:
+            mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return mod
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.weight_scale, self.scheme.strategy, self.scheme.block_structure, dtype)
+
+    @property
+    def kernel(self) -> str:
+        return self._choose(self.weight.device)
+
+    def _choose(self, device: torch.device) -> str:
+        forced = forced_kernel()
+        usable = self.scheme.strategy != "block" and self.scheme.input_activations is not None
+        reason = triton_unsupported_reason(device, 4) if usable else "block weights / weight-only FP8 run emulated"
+        if forced == "triton" and reason:
+            raise KernelError(f"{ENV}=triton cannot run this FP8 layer: {reason}")
+        if forced == "cpu":
+            raise KernelError(f"{ENV}=cpu: there is no CPU FP8 kernel; FP8 layers run by emulation (unset {ENV}, or =torch)")
+        if forced == "torch" or reason:
+            return "torch"
+        return "triton" if device.type == "cuda" or forced == "triton" else "torch"
+
+    def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.input_scale is None:  # dynamic per token
+            return fp8_quantize_per_token(x)
+        return quantize(x, self.input_scale), self.input_scale.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acts = self.scheme.input_activations
+        if self._choose(x.device) == "triton":
+            from quantkit.kernels import triton_fp8
+
+            if self.input_scale is None:
+                xq, xs = triton_fp8.quantize_per_token(x)
+            else:
+                xq, xs = self._quantize_input(x)
+            return triton_fp8.matmul(xq, xs, self.weight, self.weight_scale, x.dtype, self.bias)
+        if acts is not None:  # emulation: the values the FP8 GEMM would multiply
+            xq, xs = self._quantize_input(x)
+            x = (xq.float() * xs).to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.short()}"

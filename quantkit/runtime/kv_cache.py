@@ -1,0 +1,96 @@
+"""FP8 KV cache: scale observers for calibration, and a cache that stores keys/values on the FP8 grid.
+
+transformers' attention passes its keys (after RoPE) and values through `cache.update(k, v,
+layer_idx, ...)` before attending; both classes here sit at that point. `KVObserver` records
+each layer's absmax (per tensor and per KV head) and returns the states unchanged.
+`Fp8KVCache` quantizes every key/value to e4m3 with the layer's scales before storing it
+(emulation: the values kept are exactly what an FP8 cache holds, in the compute dtype), so
+attention reads what it would read from an FP8 cache. Scales: `self_attn.k_scale` /
+`v_scale` ([1] per tensor, [kv_heads] per head), as compressed-tensors exports them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from quantkit.quant.fp8 import fake_quantize
+
+log = logging.getLogger(__name__)
+
+
+class KVObserver:
+    """Stands in for a cache during calibration: keeps absmax of keys and values per KV head."""
+
+    def __init__(self):
+        self.k_absmax: dict[int, torch.Tensor] = {}
+        self.v_absmax: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def _per_head(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().abs().float().amax(dim=(0, 2, 3))  # [batch, heads, seq, dim] -> [heads]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        for store, x in ((self.k_absmax, key_states), (self.v_absmax, value_states)):
+            m = self._per_head(x)
+            store[layer_idx] = torch.maximum(store[layer_idx], m) if layer_idx in store else m
+        return key_states, value_states
+
+
+def _head_view(scale: torch.Tensor) -> torch.Tensor:
+    """A [1] or [heads] scale broadcast against [batch, heads, seq, dim]."""
+    return scale.float().reshape(1, -1, 1, 1)
+
+
+class Fp8KVCache(DynamicCache):
+    """A DynamicCache whose stored keys and values are rounded to e4m3 with per-layer scales."""
+
+    def __init__(self, scales: dict[int, tuple[torch.Tensor, torch.Tensor]], config=None):
+        super().__init__(config=config)
+        self.scales = scales
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        k_scale, v_scale = self.scales[layer_idx]
+        key_states = fake_quantize(key_states, _head_view(k_scale))
+        value_states = fake_quantize(value_states, _head_view(v_scale))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """layer_idx -> attention module, for every module with a `layer_idx` and k/v projections."""
+    found = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and hasattr(module, "k_proj") and hasattr(module, "v_proj"):
+            found[idx] = module
+    return found
+
+
+def kv_scales(model: nn.Module) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], bool]:
+    """Each layer's (k_scale, v_scale) from the model's buffers; where a layer has none, 1.0 with a
+    warning (an uncalibrated FP8 cache: values above 448 saturate). Returns (scales, calibrated)."""
+    scales, missing = {}, []
+    for idx, attn in attention_modules(model).items():
+        k, v = getattr(attn, "k_scale", None), getattr(attn, "v_scale", None)
+        if k is None or v is None:
+            missing.append(idx)
+            k = v = torch.ones(1)
+        scales[idx] = (k.float(), v.float())
+    if missing:
+        log.warning("FP8 KV cache: %d of %d layers have no calibrated k_scale/v_scale; using 1.0 there "
+                    "(quantize with a kv-cache recipe, e.g. fp8-kv, to calibrate them)", len(missing), len(scales))
+    return scales, not missing
+
+
+def make_cache(model: nn.Module, kv_cache_dtype: Optional[str]):
+    """The cache for generation / evaluation: None (the model's default) or an Fp8KVCache."""
+    if kv_cache_dtype in (None, "auto", "model"):
+        return None
+    if kv_cache_dtype != "fp8":
+        raise ValueError(f"kv cache dtype {kv_cache_dtype!r} is not supported; use fp8 or auto")
+    scales, _ = kv_scales(model)
+    return Fp8KVCache(scales, config=model.config)
