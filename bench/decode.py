@@ -1,9 +1,12 @@
-"""Decode speed of the runner on two checkpoints, measured back to back in one process.
+"""Decode speed of the runner, measured back to back in one process.
 
-Usage: python bench/decode.py BASELINE MODEL [MODEL ...] [--prompt TEXT] [-n 128] [--runs 5]
-Each run generates n tokens greedily from the same prompt (EOS ignored, so every run decodes n
-tokens); runs alternate between the models and the median decode tokens/s of each is printed
-with its ratio to the baseline's. Prefill time (TTFT) is reported beside it.
+Usage: python bench/decode.py BASELINE [MODEL ...] [--prompt TEXT] [-n 128] [--runs 5]
+                              [--hf] [--draft DRAFT_MODEL [--num-draft-tokens 4]]
+Each run generates n tokens greedily from the same prompt (end tokens ignored, so every run
+decodes n tokens); runs alternate between the setups and the median TTFT and decode tokens/s of
+each is printed with the ratio to the first row's. --hf adds transformers' `generate` on the
+baseline model (same prompt, greedy, KV cache) as a row; --draft adds speculative decoding of
+the baseline with that draft (acceptance rate printed).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -22,38 +26,76 @@ def main() -> None:
     parser.add_argument("--prompt", default="The history of the English novel")
     parser.add_argument("-n", "--max-new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--hf", action="store_true", help="Also time transformers' generate on the first model.")
+    parser.add_argument("--draft", help="Also time speculative decoding of the first model with this draft.")
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
     args = parser.parse_args()
 
     import torch
 
-    from quantkit.runtime.generate import SamplingConfig, generate
+    from quantkit.runtime.generate import generate
     from quantkit.runtime.loader import load, load_tokenizer
+    from quantkit.runtime.sampling import SamplingParams
+    from quantkit.runtime.speculative import speculative_generate
 
-    loaded = [(name, load(name), load_tokenizer(name)) for name in args.models]
-    for _, model, _ in loaded:
-        model.generation_config.eos_token_id = None
-    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens)
-    results: dict[str, list] = {name: [] for name, _, _ in loaded}
-    for run in range(args.runs + 1):  # run 0 warms up (first-call allocations, kernel repacks)
-        for name, model, tok in loaded:
-            ids = tok(args.prompt)["input_ids"]
-            eos = tok.eos_token_id
-            tok.eos_token_id = None  # decode every token: equal work for every model
-            try:
-                g = generate(model, tok, list(ids), cfg)
-            finally:
-                tok.eos_token_id = eos
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    tok = load_tokenizer(args.models[0])
+    ids = tok(args.prompt)["input_ids"]
+    models = {name: load(name) for name in args.models}
+    setups = {f"quantkit {name}": (lambda m=m: _ours(generate, m, tok, ids, params)) for name, m in models.items()}
+    base = models[args.models[0]]
+    if args.hf:
+        setups[f"transformers generate {args.models[0]}"] = lambda: _hf(base, ids, args.max_new_tokens)
+    if args.draft:
+        draft = load(args.draft)
+        setups[f"quantkit {args.models[0]} + draft {args.draft}"] = \
+            lambda: _spec(speculative_generate, base, draft, tok, ids, params, args.num_draft_tokens)
+    results: dict[str, list] = {name: [] for name in setups}
+    for run in range(args.runs + 1):  # run 0 warms up
+        for name, fn in setups.items():
+            r = fn()
             if run:
-                results[name].append((g.decode_tokens_per_second, g.prefill_seconds, len(g.token_ids)))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; prompt {args.prompt!r}, "
-          f"{args.max_new_tokens} new tokens, median of {args.runs} alternating runs")
-    base = statistics.median(r[0] for r in results[args.models[0]])
-    print("| model | decode tok/s | vs baseline | prefill (TTFT) ms | tokens |")
-    print("| --- | --- | --- | --- | --- |")
-    for name in args.models:
-        tps = statistics.median(r[0] for r in results[name])
-        ttft = statistics.median(r[1] for r in results[name]) * 1e3
-        print(f"| {name} | {tps:.1f} | {tps / base:.2f}x | {ttft:.0f} | {results[name][0][2]} |")
+                results[name].append(r)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; prompt {args.prompt!r} ({len(ids)} tokens), "
+          f"{args.max_new_tokens} new tokens, greedy, median of {args.runs} alternating runs")
+    print("| setup | decode tok/s | vs first row | TTFT ms | tokens | draft acceptance |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    first = None
+    for name, rs in results.items():
+        tps = statistics.median(r[0] for r in rs)
+        first = first or tps
+        ttft = statistics.median(r[1] for r in rs) * 1e3
+        acc = statistics.median(r[3] for r in rs) if rs[0][3] is not None else None
+        print(f"| {name} | {tps:.1f} | {tps / first:.2f}x | {ttft:.0f} | {rs[0][2]} | "
+              f"{'-' if acc is None else f'{acc:.0%}'} |")
+
+
+def _ours(generate, model, tok, ids, params):
+    c = generate(model, tok, ids, params)
+    return c.decode_tokens_per_second, c.ttft_seconds, len(c.token_ids), None
+
+
+def _spec(speculative_generate, model, draft, tok, ids, params, k):
+    c, stats = speculative_generate(model, draft, tok, ids, params, k)
+    return c.decode_tokens_per_second, c.ttft_seconds, len(c.token_ids), stats.acceptance_rate
+
+
+def _hf(model, ids, n):
+    """transformers' generate; TTFT from a 1-token run, decode rate from the rest (same process)."""
+    import torch
+    from transformers import GenerationConfig
+
+    x = torch.tensor([ids])
+    cfg = GenerationConfig(max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+    t = time.perf_counter()
+    model.generate(x, generation_config=cfg)
+    ttft = time.perf_counter() - t
+    cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    t = time.perf_counter()
+    out = model.generate(x, generation_config=cfg)
+    total = time.perf_counter() - t
+    generated = out.shape[1] - len(ids)
+    return (generated - 1) / max(total - ttft, 1e-9), ttft, generated, None
 
 
 if __name__ == "__main__":

@@ -276,10 +276,11 @@ def test_kv_checkpoint_round_trip_and_runner_cache(fp8_checkpoints, tokenizer, c
     model = quantkit.load(path, dtype=torch.float32)
     scales, calibrated = kv_scales(model)
     assert calibrated and float(scales[1][0]) == float(tensors["model.layers.1.self_attn.k_scale"].float())
-    from quantkit.runtime.generate import SamplingConfig, generate
+    from quantkit.runtime.generate import generate
+    from quantkit.runtime.sampling import SamplingParams
 
     ids = sample_ids(tokenizer, 1)[0].tolist()
-    g = generate(model, tokenizer, ids, SamplingConfig(max_new_tokens=5), kv_cache_dtype="fp8")
+    g = generate(model, tokenizer, ids, SamplingParams(max_new_tokens=5), kv_cache_dtype="fp8")
     assert len(g.token_ids) >= 1
     # a model without scales: 1.0 with a warning
     plain = quantkit.load(fp8_checkpoints["fp8-dynamic"], dtype=torch.float32)

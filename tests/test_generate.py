@@ -1,40 +1,239 @@
-"""The basic generate loop: greedy equals transformers' greedy; sampling is seeded; streaming is whole."""
+"""The runner: sampler stages (exact values and order), seeded sampling independent of the batch,
+stop strings, incremental detokenization, the batched generate loop against transformers'
+greedy, speculative decoding, and the chat command."""
 
+import pytest
 import torch
 
 import quantkit
-from quantkit.runtime.generate import SamplingConfig, generate, sample_next
+from quantkit.quantize import quantize
+from quantkit.recipe import load_recipe
+from quantkit.runtime.detokenize import IncrementalDetokenizer
+from quantkit.runtime.generate import generate, generate_batch
+from quantkit.runtime.sampling import (SamplingParams, TokenHistory, apply_min_p, apply_presence_frequency,
+                                       apply_repetition_penalty, apply_top_k, apply_top_p, processed_logits, sample)
+from quantkit.runtime.speculative import speculative_generate
+from quantkit.runtime.stopping import StopStringMatcher
 
 from helpers import sample_ids
 
+INF = float("inf")
+
+
+# -- sampler stages -----------------------------------------------------------------------------
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([2.0, -2.0, 1.0, -1.0])
+    seen = torch.tensor([True, True, False, False])
+    assert torch.equal(apply_repetition_penalty(logits, seen, 2.0), torch.tensor([1.0, -4.0, 1.0, -1.0]))
+
+
+def test_presence_and_frequency_penalties():
+    logits = torch.tensor([1.0, 1.0, 1.0])
+    counts = torch.tensor([0, 1, 3])
+    assert torch.equal(apply_presence_frequency(logits, counts, 0.5, 0.25), torch.tensor([1.0, 0.25, -0.25]))
+
+
+def test_top_k_top_p_min_p_exact():
+    logits = torch.tensor([3.0, 1.0, 2.0, 0.0])
+    assert torch.equal(apply_top_k(logits, 2), torch.tensor([3.0, -INF, 2.0, -INF]))
+    assert torch.equal(apply_top_k(logits, 0), logits)
+    probs = torch.tensor([0.5, 0.1, 0.3, 0.1])
+    lp = probs.log()
+    # sorted: 0.5, 0.3, 0.1, 0.1 -> the smallest prefix reaching 0.75 is {0, 2}
+    kept = apply_top_p(lp, 0.75)
+    assert torch.isinf(kept[[1, 3]]).all() and torch.isfinite(kept[[0, 2]]).all()
+    assert torch.isfinite(apply_top_p(lp, 0.81)).sum() == 3
+    assert torch.isfinite(apply_top_p(lp, 0.1)).sum() == 1  # the top token always stays
+    # min-p 0.5: drop below 0.5 * 0.5 = 0.25
+    kept = apply_min_p(lp, 0.5)
+    assert torch.isfinite(kept).tolist() == [True, False, True, False]
+
+
+def test_stage_order_penalties_then_temperature_then_filters():
+    logits = torch.tensor([4.0, 3.0, 0.0])
+    seen = torch.tensor([True, False, False])
+    counts = torch.zeros(3, dtype=torch.int32)
+    # penalty first: 4 / 2 = 2 < 3, so token 1 leads; temperature 0.5 then doubles both
+    p = SamplingParams(temperature=0.5, repetition_penalty=2.0, top_k=1)
+    assert torch.equal(processed_logits(logits, p, seen, counts), torch.tensor([-INF, 6.0, -INF]))
+    # greedy applies the penalties too
+    assert sample(logits, SamplingParams(repetition_penalty=2.0), seen, counts, None) == 1
+    # top-p after temperature: a low temperature concentrates the mass on one token
+    cold = SamplingParams(temperature=0.02, top_p=0.9)  # 50 vs 45: the top token has 99.3%
+    assert torch.isfinite(processed_logits(torch.tensor([1.0, 0.9, 0.0]), cold, seen & False, counts)).sum() == 1
+    hot = SamplingParams(temperature=10.0, top_p=0.9)
+    assert torch.isfinite(processed_logits(torch.tensor([1.0, 0.9, 0.0]), hot, seen & False, counts)).sum() == 3
+
+
+def test_sampling_is_seeded():
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
+    hist = TokenHistory(4, [])
+    p = SamplingParams(temperature=1.0, top_k=2)
+    draws = [sample(logits, p, hist.seen, hist.counts, torch.Generator().manual_seed(s)) for s in range(40)]
+    assert set(draws) == {1, 2}
+    assert draws == [sample(logits, p, hist.seen, hist.counts, torch.Generator().manual_seed(s)) for s in range(40)]
+
+
+def test_bad_sampling_params_are_rejected():
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(min_p=2), dict(max_new_tokens=0), dict(stop=("",)),
+                dict(repetition_penalty=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+# -- stop strings and detokenization ------------------------------------------------------------
+
+def test_stop_string_split_across_pieces_never_leaks():
+    m = StopStringMatcher(("###", "END"))
+    out = [m.feed(t) for t in ["Hello #", "#", " world", " E", "N", "D tail"]]
+    # "##" then " world": not a stop after all, released; "EN" held, then END completes
+    assert "".join(out) == "Hello ## world "
+    assert m.stopped and m.flush() == ""
+    assert out[0] == "Hello " and out[1] == ""  # "#", "##" were held back
+    m2 = StopStringMatcher(("<stop>",))
+    assert m2.feed("abc<st") == "abc" and m2.flush() == "<st"  # generation ended: the held text was real
+    assert StopStringMatcher(()).feed("x") == "x"
+
+
+@pytest.mark.parametrize("text", ["Emma 😀 smiled.", "日本語のテキスト", "naïve café — “quoted”", "🇫🇷 flag"])
+def test_incremental_detokenization_never_emits_replacement_chars(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # byte-level pieces: characters are split across tokens
+    prompt = tokenizer("She said:", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detok.add(t) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)):]
+    assert sum(1 for p in pieces if p) < len(ids) or text.isascii()  # some tokens completed no character
+
+
+def test_detokenizer_keeps_leading_spaces(tokenizer):
+    prompt = tokenizer("It is a truth", add_special_tokens=False)["input_ids"]
+    ids = tokenizer(" universally acknowledged", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert "".join(detok.add(t) for t in ids) == " universally acknowledged"
+
+
+# -- the generate loop --------------------------------------------------------------------------
 
 def test_greedy_matches_transformers(tiny_models, tokenizer):
     for arch in ("llama", "gemma3_text"):
         model = quantkit.load(tiny_models[arch], dtype=torch.float32)
         prompt = sample_ids(tokenizer, 1, 12)
-        ours = generate(model, tokenizer, prompt[0].tolist(), SamplingConfig(max_new_tokens=10))
+        ours = generate(model, tokenizer, prompt[0].tolist(), SamplingParams(max_new_tokens=10, ignore_eos=True))
         ref = model.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=3)
-        expected = ref[0, prompt.shape[1]:].tolist()
-        n = len(ours.token_ids)
-        assert ours.token_ids == expected[:n], arch
-        assert (ours.finish_reason == "length" and n == 10) or (ours.finish_reason == "stop" and expected[n] == 2)
+        assert ours.token_ids == ref[0, prompt.shape[1]:].tolist(), arch
+        assert ours.finish_reason == "length"
+
+
+def test_batch_of_different_lengths_equals_single_requests(tiny_llama, tokenizer):
+    model = quantkit.load(tiny_llama, dtype=torch.float32)
+    prompts = [sample_ids(tokenizer, 1, n)[0].tolist() for n in (5, 12, 9)]
+    greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    seeded = [SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    for params in ([greedy] * 3, seeded):
+        batch = generate_batch(model, tokenizer, prompts, params)
+        for prompt, p, got in zip(prompts, params, batch):
+            alone = generate(model, tokenizer, prompt, p)
+            assert got.token_ids == alone.token_ids and got.text == alone.text
+    # a request's sampled tokens do not depend on its neighbours
+    other = generate_batch(model, tokenizer, [prompts[0], prompts[2]], [seeded[0], seeded[2]])
+    assert other[0].token_ids == generate_batch(model, tokenizer, prompts, seeded)[0].token_ids
+
+
+def test_stop_strings_and_finish_reasons(tiny_llama, tokenizer):
+    model = quantkit.load(tiny_llama, dtype=torch.float32)
+    prompt = sample_ids(tokenizer, 1, 8)[0].tolist()
+    full = generate(model, tokenizer, prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    assert stop.strip(), "the greedy text is blank around its middle"
+    pieces = []
+    res = generate(model, tokenizer, prompt, SamplingParams(max_new_tokens=20, ignore_eos=True, stop=(stop,)),
+                   on_text=pieces.append)
+    assert res.finish_reason == "stop" and res.stop_reason == stop
+    assert res.text == full.text[: full.text.index(stop)] and "".join(pieces) == res.text
+    assert stop not in "".join(pieces)
+    # an end token: stop, and not part of the output
+    end = full.token_ids[3]
+    res = generate(model, tokenizer, prompt, SamplingParams(max_new_tokens=20, stop_token_ids=(end,)))
+    assert res.finish_reason == "stop" and res.stop_reason == end and end not in res.token_ids
 
 
 def test_streamed_text_equals_final_text(tiny_llama, tokenizer):
     model = quantkit.load(tiny_llama, dtype=torch.float32)
     pieces = []
-    cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, seed=3)
-    res = generate(model, tokenizer, sample_ids(tokenizer, 1, 8)[0].tolist(), cfg, on_text=pieces.append)
+    res = generate(model, tokenizer, sample_ids(tokenizer, 1, 8)[0].tolist(),
+                   SamplingParams(max_new_tokens=12, temperature=1.0, seed=3), on_text=pieces.append)
     assert len(pieces) > 1 and "".join(pieces) == res.text
+    assert res.ttft_seconds > 0 and res.prompt_tokens == 8
 
 
-def test_sampling_is_seeded_and_filters():
-    logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
-    gen = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
-    cfg = SamplingConfig(temperature=1.0, top_k=2)
-    draws = [sample_next(logits, cfg, gen(s)) for s in range(40)]
-    assert set(draws) == {1, 2}  # top-k keeps the two largest
-    assert draws == [sample_next(logits, cfg, gen(s)) for s in range(40)]
-    top_p = SamplingConfig(temperature=1.0, top_p=0.4)
-    assert {sample_next(logits, top_p, gen(s)) for s in range(40)} == {1}  # token 1 alone reaches p=0.4
-    assert sample_next(logits, SamplingConfig(temperature=0.0), gen(0)) == 1
+def test_context_limit_caps_generation(tiny_llama, tokenizer, caplog):
+    model = quantkit.load(tiny_llama, dtype=torch.float32)
+    limit = model.config.max_position_embeddings
+    prompt = (sample_ids(tokenizer, 1, 24)[0].tolist() * limit)[: limit - 3]
+    with caplog.at_level("WARNING"):
+        res = generate(model, tokenizer, prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert len(res.token_ids) == 3 and res.finish_reason == "length" and "capped" in caplog.text
+    with pytest.raises(ValueError, match="leaves no room"):
+        generate(model, tokenizer, prompt + [5, 5, 5], SamplingParams(max_new_tokens=2))
+
+
+# -- speculative decoding ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("draft") / "w4"
+    quantize(str(tiny_llama), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]), out, progress=False)
+    return quantkit.load(out, dtype=torch.float32)
+
+
+def test_speculative_greedy_is_plain_greedy(tiny_llama, tokenizer, draft_model):
+    target = quantkit.load(tiny_llama, dtype=torch.float32)
+    for n in (6, 13):
+        prompt = sample_ids(tokenizer, 1, n)[0].tolist()
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        plain = generate(target, tokenizer, prompt, params)
+        for k in (1, 3, 5):
+            spec, stats = speculative_generate(target, draft_model, tokenizer, prompt, params, k)
+            assert spec.token_ids == plain.token_ids and spec.text == plain.text, (n, k)
+            assert 0 <= stats.acceptance_rate <= 1 and stats.proposed == stats.rounds * k
+    # the target as its own draft accepts everything
+    _, stats = speculative_generate(target, target, tokenizer, prompt, params, 4)
+    assert stats.acceptance_rate == 1.0
+
+
+def test_speculative_sampling_keeps_the_target_distribution(tiny_llama, tokenizer, draft_model):
+    """First-token frequencies over many seeds, speculative vs plain sampling from the target, on a
+    4-token support (top_k 4: the draft's top 4 differ from the target's, so rejections and the
+    residual distribution are exercised). 400 draws each; the bound is statistical: the TV distance
+    of two samples of one 4-way distribution stays below 0.12 with overwhelming probability."""
+    target = quantkit.load(tiny_llama, dtype=torch.float32)
+    prompt = sample_ids(tokenizer, 1, 6)[0].tolist()
+    plain, spec, accepted, proposed = {}, {}, 0, 0
+    for s in range(400):
+        params = SamplingParams(max_new_tokens=1, temperature=0.7, top_k=4, seed=s, ignore_eos=True)
+        a = generate(target, tokenizer, prompt, params).token_ids[0]
+        (b, stats) = speculative_generate(target, draft_model, tokenizer, prompt, params.__class__(
+            **{**params.__dict__, "seed": 10_000 + s}), 2)
+        plain[a] = plain.get(a, 0) + 1
+        spec[b.token_ids[0]] = spec.get(b.token_ids[0], 0) + 1
+        accepted, proposed = accepted + stats.accepted, proposed + stats.proposed
+    tv = 0.5 * sum(abs(plain.get(t, 0) - spec.get(t, 0)) / 400 for t in set(plain) | set(spec))
+    assert len(plain) >= 3 and set(spec) <= set(plain) | set(spec)
+    assert tv < 0.12, (tv, plain, spec)
+    assert 0 < accepted < proposed  # some drafts kept, some rejected
+
+
+# -- chat -------------------------------------------------------------------------------------------
+
+def test_chat_command_keeps_history(tiny_llama, tmp_path):
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    # the tiny tokenizer has no chat template: the command must say so
+    result = CliRunner().invoke(main, ["chat", str(tiny_llama), "-n", "4"], input="hello\n\n")
+    assert result.exit_code != 0 and "no chat template" in result.output

@@ -9,7 +9,8 @@ from quantkit.eval.ppl import perplexity
 from quantkit.models.demo import fetch
 from quantkit.quantize import quantize
 from quantkit.recipe import load_recipe
-from quantkit.runtime.generate import SamplingConfig, generate
+from quantkit.runtime.generate import generate
+from quantkit.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,7 @@ def test_smollm2_rtn_w4a16_end_to_end(smollm2, tmp_path):
     # a real pretrained model, not a random one (~5e4); 4-bit RTN costs quality but not much
     assert 10 < original.ppl < 60
     assert original.ppl < quantized.ppl < 1.6 * original.ppl
-    out = generate(model, tokenizer, tokenizer("The capital of France is")["input_ids"], SamplingConfig(max_new_tokens=8))
+    out = generate(model, tokenizer, tokenizer("The capital of France is")["input_ids"], SamplingParams(max_new_tokens=8))
     assert len(out.token_ids) > 0 and out.text.strip()
 
 

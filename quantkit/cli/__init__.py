@@ -44,6 +44,7 @@ def _register() -> None:
 
     for module in (convert, eval_cmd, generate, models, plugins, quantize, recipes):
         main.add_command(module.command)
+    main.add_command(generate.chat_command)
 
 
 _register()

@@ -1,47 +1,134 @@
-"""`quantkit generate`: stream text from any checkpoint quantkit can load."""
+"""`quantkit generate` and `quantkit chat`: stream text from any checkpoint quantkit can load."""
 
 from __future__ import annotations
+
+import functools
 
 import click
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged"
 
 
+def sampling_options(f):
+    """The sampler's options, shared by generate and chat (order of application: see runtime.sampling)."""
+    options = [
+        click.option("-n", "--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1)),
+        click.option("-t", "--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0 = greedy."),
+        click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 = off."),
+        click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True)),
+        click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1)),
+        click.option("--repetition-penalty", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+                     help="Multiplicative, over prompt and output tokens; 1 = off."),
+        click.option("--presence-penalty", default=0.0, show_default=True, type=float, help="Additive, output tokens."),
+        click.option("--frequency-penalty", default=0.0, show_default=True, type=float, help="Additive, per occurrence."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it."),
+        click.option("--ignore-eos", is_flag=True, help="Keep generating past end tokens."),
+        click.option("--seed", default=0, show_default=True, type=int),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+                     help="fp8: keep the KV cache on the FP8 grid with the checkpoint's k/v scales (1.0 where absent)."),
+        click.option("--draft", help="Speculative decoding: a draft MODEL (same tokenizer), e.g. the W4A16 version."),
+        click.option("--num-draft-tokens", default=4, show_default=True, type=click.IntRange(min=1)),
+    ]
+    return functools.reduce(lambda acc, opt: opt(acc), reversed(options), f)
+
+
+def _params(opts: dict):
+    from quantkit.runtime.sampling import SamplingParams
+
+    try:
+        return SamplingParams(max_new_tokens=opts["max_new_tokens"], temperature=opts["temperature"], top_k=opts["top_k"],
+                              top_p=opts["top_p"], min_p=opts["min_p"], repetition_penalty=opts["repetition_penalty"],
+                              presence_penalty=opts["presence_penalty"], frequency_penalty=opts["frequency_penalty"],
+                              seed=opts["seed"], stop=tuple(opts["stop"]), ignore_eos=opts["ignore_eos"])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+class Runner:
+    """A loaded model (and optional draft) that generates with the CLI's options and prints metrics."""
+
+    def __init__(self, model_spec, opts: dict):
+        from quantkit.runtime.loader import load, load_tokenizer
+
+        self.model = load(model_spec)
+        self.tokenizer = load_tokenizer(model_spec)
+        self.draft = load(opts["draft"]) if opts.get("draft") else None
+        self.opts, self.params = opts, _params(opts)
+        self.kv = None if opts["kv_cache_dtype"] == "auto" else opts["kv_cache_dtype"]
+
+    def run(self, ids: list[int]):
+        from quantkit.runtime.generate import generate
+        from quantkit.runtime.speculative import speculative_generate
+
+        echo = lambda s: click.echo(s, nl=False)  # noqa: E731
+        stats = None
+        if self.draft is not None:
+            result, stats = speculative_generate(self.model, self.draft, self.tokenizer, ids, self.params,
+                                                 self.opts["num_draft_tokens"], on_text=echo, kv_cache_dtype=self.kv)
+        else:
+            result = generate(self.model, self.tokenizer, ids, self.params, on_text=echo, kv_cache_dtype=self.kv)
+        click.echo()
+        extra = f", draft acceptance {stats.acceptance_rate:.0%}" if stats else ""
+        click.echo(f"[{len(result.token_ids)} tokens, finish: {result.finish_reason}, TTFT {result.ttft_seconds * 1e3:.0f} ms "
+                   f"({result.prompt_tokens} prompt tokens), decode {result.decode_tokens_per_second:.1f} tok/s{extra}]",
+                   err=True)
+        return result
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise click.UsageError("this model's tokenizer has no chat template; use `quantkit generate` with a plain prompt")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 @click.command("generate")
 @click.argument("model", required=False)
 @click.argument("prompt", required=False)
-@click.option("-n", "--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("-t", "--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 = off.")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
-@click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
-              help="fp8: keep the KV cache on the FP8 grid with the checkpoint's k/v scales (1.0 where absent).")
-def command(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, kv_cache_dtype):
+@sampling_options
+def command(model, prompt, chat, **opts):
     """Generate a continuation of PROMPT with MODEL (default smollm2-135m), streamed to the terminal.
 
     \b
     Examples:
       quantkit generate ./smollm2-w4 "It is a truth universally acknowledged"
-      quantkit generate smollm2-135m "Write a haiku about tea" --chat -t 0.7 --top-p 0.9
+      quantkit generate smollm2-135m "Write a haiku about tea" --chat -t 0.7 --top-p 0.9 --stop "\\n\\n"
+      quantkit generate smollm2-135m "Once upon a time" --draft ./smollm2-w4
     """
-    from quantkit.runtime.generate import SamplingConfig, generate
-    from quantkit.runtime.loader import load, load_tokenizer
-
+    runner = Runner(model, opts)
     prompt = prompt if prompt is not None else DEFAULT_PROMPT
-    m = load(model)
-    tokenizer = load_tokenizer(model)
     if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        ids = chat_ids(runner.tokenizer, [{"role": "user", "content": prompt}])
     else:
-        ids = tokenizer(prompt)["input_ids"]
-    cfg = SamplingConfig(max_new_tokens, temperature, top_k, top_p, seed)
-    if not chat:
+        ids = runner.tokenizer(prompt)["input_ids"]
         click.echo(prompt, nl=False)
-    result = generate(m, tokenizer, list(ids), cfg, on_text=lambda s: click.echo(s, nl=False),
-                      kv_cache_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype)
-    click.echo()
-    click.echo(f"[{len(result.token_ids)} tokens, finish: {result.finish_reason}, prefill {result.prefill_seconds:.2f} s, "
-               f"decode {result.decode_tokens_per_second:.1f} tok/s]", err=True)
+    runner.run(list(ids))
+
+
+@click.command("chat")
+@click.argument("model", required=False)
+@click.option("--system", help="A system message at the start of the conversation.")
+@sampling_options
+def chat_command(model, system, **opts):
+    """Talk to MODEL (default smollm2-135m) with its chat template; the conversation is kept.
+
+    Type a message and press Enter; an empty line or /exit ends, /reset forgets the history.
+    """
+    runner = Runner(model, opts)
+    messages = [{"role": "system", "content": system}] if system else []
+    chat_ids(runner.tokenizer, [{"role": "user", "content": "hi"}])  # fail now if there is no template
+    while True:
+        try:
+            line = click.prompt("you", prompt_suffix="> ", default="", show_default=False)
+        except (EOFError, click.Abort):
+            break
+        if line.strip() in ("", "/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            messages = messages[:1] if system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        click.echo("model> ", nl=False)
+        result = runner.run(chat_ids(runner.tokenizer, messages))
+        messages.append({"role": "assistant", "content": result.text})

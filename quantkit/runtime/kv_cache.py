@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from quantkit.quant.fp8 import fake_quantize
 
@@ -46,18 +46,32 @@ def _head_view(scale: torch.Tensor) -> torch.Tensor:
     return scale.float().reshape(1, -1, 1, 1)
 
 
-class Fp8KVCache(DynamicCache):
-    """A DynamicCache whose stored keys and values are rounded to e4m3 with per-layer scales."""
+class _Fp8Update:
+    """Rounds keys and values to e4m3 with the layer's scales before the cache stores them."""
 
-    def __init__(self, scales: dict[int, tuple[torch.Tensor, torch.Tensor]], config=None):
-        super().__init__(config=config)
-        self.scales = scales
+    scales: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         k_scale, v_scale = self.scales[layer_idx]
         key_states = fake_quantize(key_states, _head_view(k_scale))
         value_states = fake_quantize(value_states, _head_view(v_scale))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class Fp8KVCache(_Fp8Update, DynamicCache):
+    """A DynamicCache whose stored keys and values are rounded to e4m3 with per-layer scales."""
+
+    def __init__(self, scales: dict[int, tuple[torch.Tensor, torch.Tensor]], config=None):
+        super().__init__(config=config)
+        self.scales = scales
+
+
+class Fp8StaticCache(_Fp8Update, StaticCache):
+    """The preallocated StaticCache, with keys and values on the FP8 grid."""
+
+    def __init__(self, scales: dict[int, tuple[torch.Tensor, torch.Tensor]], config, max_cache_len: int):
+        super().__init__(config=config, max_cache_len=max_cache_len)
+        self.scales = scales
 
 
 def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
@@ -86,11 +100,14 @@ def kv_scales(model: nn.Module) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
     return scales, not missing
 
 
-def make_cache(model: nn.Module, kv_cache_dtype: Optional[str]):
-    """The cache for generation / evaluation: None (the model's default) or an Fp8KVCache."""
-    if kv_cache_dtype in (None, "auto", "model"):
-        return None
-    if kv_cache_dtype != "fp8":
+def make_cache(model: nn.Module, kv_cache_dtype: Optional[str], max_cache_len: Optional[int] = None):
+    """The cache for generation / evaluation. max_cache_len: a preallocated StaticCache of that
+    length; None: growing (None is returned for the model's default 16-bit cache)."""
+    if kv_cache_dtype not in (None, "auto", "model", "fp8"):
         raise ValueError(f"kv cache dtype {kv_cache_dtype!r} is not supported; use fp8 or auto")
-    scales, _ = kv_scales(model)
-    return Fp8KVCache(scales, config=model.config)
+    fp8 = kv_cache_dtype == "fp8"
+    if max_cache_len is None:
+        return Fp8KVCache(kv_scales(model)[0], config=model.config) if fp8 else None
+    if fp8:
+        return Fp8StaticCache(kv_scales(model)[0], model.config, max_cache_len)
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)

@@ -1,0 +1,160 @@
+"""Speculative decoding: a small draft model proposes k tokens, the target verifies them in one forward.
+
+Both models keep a growing KV cache of the committed sequence. Each round the draft samples k
+tokens one by one (its distributions q_i after the sampler's stages), the target scores the last
+committed token and the k drafts in a single forward (distributions p_i, same stages, same
+history), and the drafts are accepted left to right with the rejection-sampling rule: d_i is
+kept with probability min(1, p_i(d_i) / q_i(d_i)); the first rejected position is resampled from
+norm(max(p_i - q_i, 0)); if all k are kept, one more token comes from p_{k+1}. The committed
+tokens are then distributed exactly as the target's own samples (Leviathan et al., 2023). With
+temperature 0 both distributions are one-hot at their argmax, so a draft is kept exactly when it
+is the target's greedy token and the output is the target's plain greedy output. Caches are
+cropped back to the committed sequence after every round.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from quantkit.runtime.detokenize import IncrementalDetokenizer
+from quantkit.runtime.generate import Completion, context_limit, end_token_ids
+from quantkit.runtime.kv_cache import make_cache
+from quantkit.runtime.sampling import SamplingParams, TokenHistory, distribution
+from quantkit.runtime.stopping import StopStringMatcher
+
+
+@dataclass
+class SpeculativeStats:
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+
+class _Model:
+    """A model with its cache and the tokens the cache holds."""
+
+    def __init__(self, model: nn.Module, cache):
+        self.model, self.cache, self.tokens = model, cache, []
+
+    def logits_from(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Logits [len(tokens) - start, vocab] of positions start.. of `tokens`: the cache is cropped to
+        what it shares with `tokens` (at most `start` tokens) and the rest is fed in one forward."""
+        keep = 0
+        for a, b in zip(self.tokens, tokens[:start]):
+            if a != b:
+                break
+            keep += 1
+        if len(self.tokens) > keep:
+            self.cache.crop(keep - len(self.tokens))  # transformers 5: a negative count removes that many
+        ids = torch.tensor([tokens[keep:]], device=next(self.model.parameters()).device)
+        logits = self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0]
+        self.tokens = list(tokens)
+        return logits[start - keep:].float().cpu()
+
+
+@torch.no_grad()
+def speculative_generate(target: nn.Module, draft: nn.Module, tokenizer, prompt_ids: list[int], params: SamplingParams,
+                         num_draft_tokens: int = 4, on_text: Optional[Callable[[str], None]] = None,
+                         kv_cache_dtype: Optional[str] = None) -> tuple[Completion, SpeculativeStats]:
+    if num_draft_tokens < 1:
+        raise ValueError("num_draft_tokens must be >= 1")
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if draft.get_output_embeddings().weight.shape[0] != vocab:
+        raise ValueError("the draft model's vocabulary differs from the target's; it must share the tokenizer")
+    seq = list(prompt_ids)
+    limit = min(context_limit(target), context_limit(draft))
+    budget = min(params.max_new_tokens, limit - len(seq) - num_draft_tokens - 1)
+    if budget < 1:
+        raise ValueError(f"a prompt of {len(seq)} tokens leaves no room in the context of {limit}")
+    ends = end_token_ids(target, tokenizer)
+    gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
+    history = TokenHistory(vocab, seq)
+    detok, stopper = IncrementalDetokenizer(tokenizer, seq), StopStringMatcher(params.stop)
+    tgt = _Model(target, make_cache(target, kv_cache_dtype) or DynamicCache(config=target.config))
+    drf = _Model(draft, DynamicCache(config=draft.config))
+    stats = SpeculativeStats()
+    out: list[int] = []
+    text, finish, reason = "", None, None
+    start = time.perf_counter()
+    first_at = last_at = start
+
+    def dist(logits: torch.Tensor, hist: TokenHistory) -> torch.Tensor:
+        return distribution(logits, params, hist.seen, hist.counts)
+
+    def draw(probs: torch.Tensor) -> int:
+        return int(probs.argmax()) if params.greedy else int(torch.multinomial(probs, 1, generator=gen))
+
+    while finish is None:
+        # draft k tokens
+        hist = history.copy()
+        drafts, qs = [], []
+        logits = drf.logits_from(seq, len(seq) - 1)[-1]
+        for i in range(num_draft_tokens):
+            q = dist(logits, hist)
+            d = draw(q)
+            drafts.append(d)
+            qs.append(q)
+            hist.add(d)
+            if i < num_draft_tokens - 1:
+                logits = drf.logits_from(seq + drafts, len(seq) + i)[-1]
+        # verify in one target forward: the distributions after the last committed token and after each draft
+        p_logits = tgt.logits_from(seq + drafts, len(seq) - 1)
+        hist = history.copy()
+        committed = []
+        for i, d in enumerate(drafts):
+            p = dist(p_logits[i], hist)
+            q = qs[i]
+            if params.greedy:
+                keep = int(p.argmax()) == d
+            else:
+                keep = float(torch.rand(1, generator=gen)) < min(1.0, float(p[d] / q[d])) if q[d] > 0 else False
+            if keep:
+                committed.append(d)
+                hist.add(d)
+                continue
+            residual = (p - q).clamp(min=0)
+            committed.append(draw(residual / residual.sum()) if float(residual.sum()) > 0 else draw(p))
+            break
+        else:
+            committed.append(draw(dist(p_logits[num_draft_tokens], hist)))
+        stats.rounds += 1
+        stats.proposed += num_draft_tokens
+        stats.accepted += len(committed) - 1  # drafts kept; the last token is a resample or the bonus
+        # commit, checking the stop conditions token by token
+        for token in committed:
+            last_at = time.perf_counter()
+            if not out:
+                first_at = last_at
+            if (token in ends and not params.ignore_eos) or token in params.stop_token_ids:
+                finish, reason = "stop", token
+                break
+            out.append(token)
+            seq.append(token)
+            history.add(token)
+            emitted = stopper.feed(detok.add(token))
+            if emitted:
+                text += emitted
+                if on_text:
+                    on_text(emitted)
+            if stopper.stopped:
+                finish, reason = "stop", next(s for s in params.stop if s in detok.text)
+                break
+            if len(out) >= budget:
+                finish = "length"
+                break
+    tail = stopper.flush()
+    if tail:
+        text += tail
+        if on_text:
+            on_text(tail)
+    return Completion(text, out, finish, len(prompt_ids), first_at - start, last_at - first_at, reason), stats
