@@ -237,3 +237,35 @@ def test_chat_command_keeps_history(tiny_llama, tmp_path):
     # the tiny tokenizer has no chat template: the command must say so
     result = CliRunner().invoke(main, ["chat", str(tiny_llama), "-n", "4"], input="hello\n\n")
     assert result.exit_code != 0 and "no chat template" in result.output
+
+
+def test_chat_keeps_the_conversation(tiny_llama, tmp_path, monkeypatch):
+    """With a chat template, every turn's prompt holds the whole history (system, user, assistant...)."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    import quantkit.cli.generate as gen_cli
+    from quantkit.cli import main
+
+    model_dir = tmp_path / "chatty"
+    shutil.copytree(tiny_llama, model_dir)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
+    seen = []
+    real = gen_cli.chat_ids
+
+    def recording(tokenizer, messages):
+        seen.append([dict(m) for m in messages])
+        return real(tokenizer, messages)
+
+    monkeypatch.setattr(gen_cli, "chat_ids", recording)
+    result = CliRunner().invoke(main, ["chat", str(model_dir), "-n", "3", "--system", "Be brief."],
+                                input="hello\nand again\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("model> ") == 2 and "tok/s" in result.output
+    turns = seen[1:]  # seen[0] is the template check
+    assert [m["role"] for m in turns[0]] == ["system", "user"]
+    assert [m["role"] for m in turns[1]] == ["system", "user", "assistant", "user"]
+    assert turns[1][1]["content"] == "hello" and turns[1][3]["content"] == "and again"

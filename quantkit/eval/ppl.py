@@ -19,7 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.errors import CalibrationDataError
-from quantkit.runtime.kv_cache import make_cache
+from quantkit.runtime.kv_cache import cache_factory
 
 LOGIT_CHUNK = 512  # positions per LM-head chunk: Gemma's 262k vocab makes full logits 2 GB per window
 
@@ -52,10 +52,9 @@ def windows(ids: torch.Tensor, seq_len: int, max_windows: Optional[int], bos_id:
 
 
 @torch.no_grad()
-def window_nll(model: nn.Module, ids: torch.Tensor, kv_cache_dtype: Optional[str] = None) -> tuple[float, int]:
+def window_nll(model: nn.Module, ids: torch.Tensor, cache=None) -> tuple[float, int]:
     """Sum of next-token NLL over one window [1, seq_len] and the number of scored tokens.
-    kv_cache_dtype "fp8": attention reads keys/values through an FP8 cache (`runtime.kv_cache`)."""
-    cache = make_cache(model, kv_cache_dtype)
+    cache: e.g. an FP8 KV cache (`runtime.kv_cache`) that attention then reads keys/values through."""
     if cache is None:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # [1, S, H]
     else:
@@ -78,9 +77,10 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, max_win
     """Perplexity of `model` (already in float32) over windows of token ids [n]."""
     start = time.perf_counter()
     wins = windows(ids, seq_len, max_windows, bos_id)
+    new_cache = cache_factory(model, kv_cache_dtype)
     total, count = 0.0, 0
     for w in tqdm(wins, desc="perplexity", unit="window", disable=not progress):
-        nll, n = window_nll(model, w.unsqueeze(0), kv_cache_dtype)
+        nll, n = window_nll(model, w.unsqueeze(0), new_cache())
         total, count = total + nll, count + n
     mean = total / count
     return PplResult(math.exp(mean), mean, count, len(wins), seq_len, time.perf_counter() - start)

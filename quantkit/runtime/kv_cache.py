@@ -100,6 +100,16 @@ def kv_scales(model: nn.Module) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
     return scales, not missing
 
 
+def cache_factory(model: nn.Module, kv_cache_dtype: Optional[str]):
+    """A function making a fresh growing cache per call (None for the model's default), with the
+    scales read (and any warning given) once."""
+    if kv_cache_dtype in (None, "auto", "model"):
+        return lambda: None
+    make_cache(model, kv_cache_dtype)  # validates the dtype
+    scales = kv_scales(model)[0]
+    return lambda: Fp8KVCache(scales, config=model.config)
+
+
 def make_cache(model: nn.Module, kv_cache_dtype: Optional[str], max_cache_len: Optional[int] = None):
     """The cache for generation / evaluation. max_cache_len: a preallocated StaticCache of that
     length; None: growing (None is returned for the model's default 16-bit cache)."""
