@@ -72,3 +72,27 @@ def test_smollm2_awq_beats_rtn(smollm2, tmp_path):
     p_awq = perplexity(quantkit.load(awq.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
     p_rtn = perplexity(quantkit.load(rtn.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
     assert p_awq < p_rtn
+
+
+def test_smollm2_runner_greedy_chat_and_speculative(smollm2, tmp_path):
+    """The runner on the real model: greedy equals transformers' greedy; the chat template works;
+    speculative decoding with the W4A16 version as the draft reproduces plain greedy."""
+    from quantkit.cli.generate import chat_ids
+    from quantkit.runtime.speculative import speculative_generate
+
+    model = quantkit.load(smollm2, dtype=torch.float32)
+    tokenizer = quantkit.load_tokenizer(smollm2)
+    ids = tokenizer("The history of the English novel")["input_ids"]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ours = generate(model, tokenizer, ids, params)
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert ours.token_ids == ref[0, len(ids):].tolist()
+    answer = generate(model, tokenizer, chat_ids(tokenizer, [{"role": "user", "content": "Who wrote Emma?"}]),
+                      SamplingParams(max_new_tokens=32))
+    assert answer.text.strip() and "<|im_end|>" not in answer.text
+    report = quantize("smollm2-135m", load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=64"]), tmp_path / "d",
+                      progress=False)
+    draft = quantkit.load(report.output, dtype=torch.float32)
+    spec, stats = speculative_generate(model, draft, tokenizer, ids, params, 4)
+    assert spec.token_ids == ours.token_ids
+    assert stats.acceptance_rate > 0.2  # a 4-bit copy agrees with its original most of the time

@@ -69,9 +69,10 @@ class Runner:
             result = generate(self.model, self.tokenizer, ids, self.params, on_text=echo, kv_cache_dtype=self.kv)
         click.echo()
         extra = f", draft acceptance {stats.acceptance_rate:.0%}" if stats else ""
+        tps = result.decode_tokens_per_second
+        tpot = f"TPOT {1e3 / tps:.1f} ms ({tps:.1f} tok/s)" if tps == tps else "TPOT -"  # nan: one token only
         click.echo(f"[{len(result.token_ids)} tokens, finish: {result.finish_reason}, TTFT {result.ttft_seconds * 1e3:.0f} ms "
-                   f"({result.prompt_tokens} prompt tokens), decode {result.decode_tokens_per_second:.1f} tok/s{extra}]",
-                   err=True)
+                   f"({result.prompt_tokens} prompt tokens), {tpot}{extra}]", err=True)
         return result
 
 
