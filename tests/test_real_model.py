@@ -96,3 +96,22 @@ def test_smollm2_runner_greedy_chat_and_speculative(smollm2, tmp_path):
     spec, stats = speculative_generate(model, draft, tokenizer, ids, params, 4)
     assert spec.token_ids == ours.token_ids
     assert stats.acceptance_rate > 0.2  # a 4-bit copy agrees with its original most of the time
+
+
+def test_smollm2_fp8_end_to_end(smollm2, tmp_path):
+    """fp8-dynamic (no calibration) and fp8-static-kv (small calibration, to keep CI short) on the real
+    model: exported, reloaded, scored with and without the FP8 KV cache."""
+    tokenizer = quantkit.load_tokenizer(smollm2)
+    ids = tokenize(tokenizer, load_text("emma"))
+    original = perplexity(quantkit.load(smollm2, dtype=torch.float32), ids, seq_len=512, max_windows=2)
+    dyn = quantize("smollm2-135m", load_recipe("fp8-dynamic"), tmp_path / "dyn", progress=False)
+    ppl_dyn = perplexity(quantkit.load(dyn.output, dtype=torch.float32), ids, seq_len=512, max_windows=2).ppl
+    assert original.ppl < ppl_dyn < 1.05 * original.ppl  # FP8 costs ~2% here
+    small = ["calibration.num_samples=16", "calibration.seq_len=256"]
+    static = quantize("smollm2-135m", load_recipe("fp8-static-kv", small), tmp_path / "st", progress=False)
+    model = quantkit.load(static.output, dtype=torch.float32)
+    assert float(model.model.layers[3].self_attn.k_scale) > 0
+    ppl_static = perplexity(model, ids, seq_len=512, max_windows=2).ppl
+    ppl_static_kv = perplexity(model, ids, seq_len=512, max_windows=2, kv_cache_dtype="fp8").ppl
+    assert original.ppl < ppl_static < 1.06 * original.ppl
+    assert ppl_static < ppl_static_kv < 1.1 * original.ppl
