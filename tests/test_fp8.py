@@ -308,3 +308,20 @@ def test_bad_fp8_input_is_rejected(tiny_llama, tmp_path):
         parse_quantization_config(qc, "x/config.json")
     assert dequantize_weight(torch.zeros(2, 2, dtype=torch.float8_e4m3fn), torch.ones(1), "tensor", None,
                              torch.float32).sum() == 0
+
+
+def test_w4a16_with_fp8_kv_cache_recipe(tiny_llama, tmp_path, tokenizer):
+    """awq-w4a16-fp8kv: int4 weights (pack-quantized) plus KV scales computed on the quantized layers."""
+    over = ["stages.1.scheme.group_size=32", "calibration.num_samples=4", "calibration.seq_len=32"]
+    out = quantize(str(tiny_llama), load_recipe("awq-w4a16-fp8kv", over), tmp_path / "q", progress=False).output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized" and qc["kv_cache_scheme"]["strategy"] == "tensor"
+    model = quantkit.load(out, dtype=torch.float32)
+    scales, calibrated = kv_scales(model)
+    assert calibrated and len(scales) == model.config.num_hidden_layers
+    from quantkit.runtime.generate import generate
+    from quantkit.runtime.sampling import SamplingParams
+
+    res = generate(model, tokenizer, sample_ids(tokenizer, 1, 8)[0].tolist(),
+                   SamplingParams(max_new_tokens=4, ignore_eos=True), kv_cache_dtype="fp8")
+    assert len(res.token_ids) == 4
