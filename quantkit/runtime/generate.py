@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from quantkit.runtime.detokenize import IncrementalDetokenizer
-from quantkit.runtime.kv_cache import make_cache
+from quantkit.runtime import lean_decode
+from quantkit.runtime.kv_cache import Fp8StaticCache, make_cache
 from quantkit.runtime.sampling import SamplingParams, TokenHistory, sample
 from quantkit.runtime.stopping import StopStringMatcher
 
@@ -113,11 +114,14 @@ def generate_batch(model: nn.Module, tokenizer, prompts: Sequence[Sequence[int]]
     input_ids, mask, positions = input_ids.to(device), mask.to(device), positions.to(device)
     cache = make_cache(model, kv_cache_dtype, max_cache_len=total)
 
+    lean = lean_decode.LeanDecoder(model, cache, cache.scales if isinstance(cache, Fp8StaticCache) else None) \
+        if lean_decode.supports(model) else None
     start = time.perf_counter()
     out = model(input_ids=input_ids, attention_mask=mask[:, :width], position_ids=positions[:, :width],
                 cache=cache, use_cache=True, logits_to_keep=1)
+    logits = out.logits[:, -1]
     for t in range(steps):
-        logits = out.logits[:, -1].float().cpu()
+        logits = logits.float().cpu()
         now = time.perf_counter()
         next_ids = []
         for r in reqs:
@@ -127,8 +131,12 @@ def generate_batch(model: nn.Module, tokenizer, prompts: Sequence[Sequence[int]]
         if all(r.finish is not None for r in reqs) or t == steps - 1:
             break
         step_ids = torch.tensor(next_ids, device=device).unsqueeze(1)
-        out = model(input_ids=step_ids, attention_mask=mask[:, : width + t + 1],
-                    position_ids=positions[:, width + t : width + t + 1], cache=cache, use_cache=True, logits_to_keep=1)
+        if lean is not None:
+            logits = lean.step(step_ids, width + t, positions[:, width + t : width + t + 1], mask[:, : width + t + 1])
+        else:
+            logits = model(input_ids=step_ids, attention_mask=mask[:, : width + t + 1],
+                           position_ids=positions[:, width + t : width + t + 1], cache=cache, use_cache=True,
+                           logits_to_keep=1).logits[:, -1]
     results = []
     for r in reqs:
         if r.finish is None:
