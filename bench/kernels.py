@@ -80,8 +80,9 @@ def bench_cpu(shapes, ms, budget):
     from quantkit.kernels import cpu_int4
     from quantkit.runtime.qlinear import PackedIntLinear
 
-    print(row(["model", "linear", "N x K", "M", "kernel", "us", "TFLOPS", "GB/s", "bf16 us", "speedup vs bf16"]))
-    print(row(["---"] * 10))
+    print(row(["model", "linear", "N x K", "M", "kernel", "us", "TFLOPS", "GB/s", "bf16 us", "speedup vs bf16",
+               "bf16 mv us", "speedup vs bf16 mv"]))
+    print(row(["---"] * 12))
     dev = torch.device("cpu")
     for model, linear, n, k in shapes:
         qw = int4_weight(n, k, dev)
@@ -92,6 +93,8 @@ def bench_cpu(shapes, ms, budget):
         for m in ms:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             t_bf16 = timed(lambda: torch.nn.functional.linear(x, w_bf16), dev, budget)
+            # one token: torch.mv is this CPU's fastest bf16 GEMV (F.linear is up to ~2x slower): the stricter baseline
+            t_mv = timed(lambda: torch.mv(w_bf16, x.view(-1)), dev, budget) if m == 1 else None
             runs = [("int4 op", lambda: packed.matmul(x)), ("PackedIntLinear (auto)", lambda: module(x))]
             if m == 1:
                 runs.append(("PackedIntLinear (torch path)", lambda: module(x)))
@@ -100,7 +103,8 @@ def bench_cpu(shapes, ms, budget):
                 t = timed(fn, dev, budget)
                 moved = weight_bytes + 2 * m * (k + n)
                 print(row([model, linear, f"{n} x {k}", m, name, f"{t * 1e6:.0f}", f"{2 * m * n * k / t / 1e12:.3f}",
-                           f"{moved / t / 1e9:.1f}", f"{t_bf16 * 1e6:.0f}", f"{t_bf16 / t:.2f}x"]))
+                           f"{moved / t / 1e9:.1f}", f"{t_bf16 * 1e6:.0f}", f"{t_bf16 / t:.2f}x",
+                           "-" if t_mv is None else f"{t_mv * 1e6:.0f}", "-" if t_mv is None else f"{t_mv / t:.2f}x"]))
             os.environ.pop("QUANTKIT_KERNEL", None)
             sys.stdout.flush()
 
