@@ -35,7 +35,8 @@ def forced_kernel() -> Optional[str]:
     return value
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1: Triton kernels run on CPU tensors through the interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -48,7 +49,7 @@ def triton_unsupported_reason(device: torch.device, num_bits: int) -> Optional[s
         if torch.cuda.get_device_capability(device) < (8, 0):
             return f"compute capability {torch.cuda.get_device_capability(device)} < (8, 0)"
         return None
-    if device.type == "cpu" and _interpreting():
+    if device.type == "cpu" and interpreting():
         return None
     return f"Triton runs on CUDA devices (or on CPU under TRITON_INTERPRET=1), not on {device.type}"
 

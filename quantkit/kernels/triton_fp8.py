@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels.triton_w4a16 import interpreting
+from quantkit.kernels.select import interpreting
 
 
 @triton.jit

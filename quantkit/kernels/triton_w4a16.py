@@ -15,7 +15,6 @@ float32 output, so a GEMV fills the GPU even when N / BLOCK_N is small. Both are
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,11 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.select import interpreting
+
 DECODE_MAX_M = 16
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

@@ -41,7 +41,7 @@ class KVObserver:
         return key_states, value_states
 
 
-def _head_view(scale: torch.Tensor) -> torch.Tensor:
+def head_view(scale: torch.Tensor) -> torch.Tensor:
     """A [1] or [heads] scale broadcast against [batch, heads, seq, dim]."""
     return scale.float().reshape(1, -1, 1, 1)
 
@@ -53,8 +53,8 @@ class _Fp8Update:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         k_scale, v_scale = self.scales[layer_idx]
-        key_states = fake_quantize(key_states, _head_view(k_scale))
-        value_states = fake_quantize(value_states, _head_view(v_scale))
+        key_states = fake_quantize(key_states, head_view(k_scale))
+        value_states = fake_quantize(value_states, head_view(v_scale))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.quant.fp8 import fake_quantize
+from quantkit.runtime.kv_cache import head_view
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -118,11 +121,8 @@ class LeanDecoder:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             if self.fp8_scales is not None:
-                from quantkit.runtime.kv_cache import _head_view
-                from quantkit.quant.fp8 import fake_quantize
-
                 ks, vs = self.fp8_scales[i]
-                k, v = fake_quantize(k, _head_view(ks)), fake_quantize(v, _head_view(vs))
+                k, v = fake_quantize(k, head_view(ks)), fake_quantize(v, head_view(vs))
             store = self.cache.layers[i]
             store.keys[:, :, slot] = k[:, :, 0]
             store.values[:, :, slot] = v[:, :, 0]
