@@ -9,7 +9,9 @@ import quantkit
 from quantkit.quantize import quantize
 from quantkit.recipe import load_recipe
 from quantkit.runtime.detokenize import IncrementalDetokenizer
+from quantkit.runtime import lean_decode
 from quantkit.runtime.generate import generate, generate_batch
+from quantkit.runtime.kv_cache import make_cache
 from quantkit.runtime.sampling import (SamplingParams, TokenHistory, apply_min_p, apply_presence_frequency,
                                        apply_repetition_penalty, apply_top_k, apply_top_p, processed_logits, sample)
 from quantkit.runtime.speculative import speculative_generate
@@ -125,6 +127,43 @@ def test_greedy_matches_transformers(tiny_models, tokenizer):
         ref = model.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=3)
         assert ours.token_ids == ref[0, prompt.shape[1]:].tolist(), arch
         assert ours.finish_reason == "length"
+
+
+def _lean_logits(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Logits of the lean decode step at each of the last `steps` positions of ids [1, S], after a
+    transformers prefill of the rest into a StaticCache (as the generate loop runs it)."""
+    width, total = ids.shape[1] - steps, ids.shape[1]
+    cache = make_cache(model, None, max_cache_len=total)
+    lean = lean_decode.LeanDecoder(model, cache)
+    pos, mask = torch.arange(total)[None], torch.ones(1, total, dtype=torch.long)
+    model.model(input_ids=ids[:, :width], attention_mask=mask[:, :width], position_ids=pos[:, :width],
+                cache=cache, use_cache=True)
+    return torch.stack([lean.step(ids[:, s : s + 1], s, pos[:, s : s + 1], mask[:, : s + 1])
+                        for s in range(width, total)], 1)
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen3", torch.float32), ("llama", torch.bfloat16)])
+def test_lean_decode_step_matches_transformers_forward(tiny_models, tokenizer, arch, dtype):
+    """The lean step (fused q/k/v and gate/up, fused RMSNorm, GEMVs) against transformers' own
+    full forward of the same sequence: equal to float32 rounding, and to bf16 rounding in bf16."""
+    model = quantkit.load(tiny_models[arch], dtype=dtype)
+    assert lean_decode.supports(model)
+    ids = sample_ids(tokenizer, 1, 14)
+    ours = _lean_logits(model, ids, 6).float()
+    assert all(f is not None for f in model._quantkit_fused[0] + model._quantkit_fused[1])  # the fused path ran
+    ref = model(ids).logits[:, -6:].float()
+    tol = 1e-4 if dtype == torch.float32 else 0.05 * float(ref.abs().max())
+    assert (ours - ref).abs().max() < tol, float((ours - ref).abs().max())
+    if dtype == torch.float32:
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_lean_decode_step_runs_packed_int4_modules(tiny_llama, tokenizer, draft_model):
+    """A W4A16 checkpoint: q/k/v stay separate packed modules (nothing to fuse), same logits."""
+    ids = sample_ids(tokenizer, 1, 12)
+    ours = _lean_logits(draft_model, ids, 4)
+    assert draft_model._quantkit_fused[0][0] is None
+    assert (ours - draft_model(ids).logits[:, -4:]).abs().max() < 1e-4
 
 
 def test_batch_of_different_lengths_equals_single_requests(tiny_llama, tokenizer):

@@ -117,9 +117,12 @@ def generate_batch(model: nn.Module, tokenizer, prompts: Sequence[Sequence[int]]
     lean = lean_decode.LeanDecoder(model, cache, cache.scales if isinstance(cache, Fp8StaticCache) else None) \
         if lean_decode.supports(model) else None
     start = time.perf_counter()
-    out = model(input_ids=input_ids, attention_mask=mask[:, :width], position_ids=positions[:, :width],
-                cache=cache, use_cache=True, logits_to_keep=1)
-    logits = out.logits[:, -1]
+    prefill = dict(input_ids=input_ids, attention_mask=mask[:, :width], position_ids=positions[:, :width],
+                   cache=cache, use_cache=True)
+    if lean is not None:  # the head on the last position only, through the lean step's GEMV
+        logits = lean.logits(model.model(**prefill).last_hidden_state[:, -1])
+    else:
+        logits = model(**prefill, logits_to_keep=1).logits[:, -1]
     for t in range(steps):
         logits = logits.float().cpu()
         now = time.perf_counter()

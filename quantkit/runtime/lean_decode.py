@@ -13,6 +13,7 @@ Other architectures (e.g. Gemma 3: sliding windows, logit softcapping) keep tran
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,7 +29,8 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 def supports(model: nn.Module) -> bool:
     cfg = model.config
     return (cfg.model_type in SUPPORTED and getattr(cfg, "sliding_window", None) in (None, 0)
-            and not getattr(cfg, "use_sliding_window", False))
+            and not getattr(cfg, "use_sliding_window", False)
+            and hasattr(getattr(getattr(model, "model", None), "norm", None), "variance_epsilon"))
 
 
 def _fuse(linears: list[nn.Module]):
@@ -66,13 +68,43 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor])
     return F.linear(x, weight, bias)
 
 
-def _apply(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _linear(x, module.weight, module.bias) if type(module) is nn.Linear else module(x)
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """The llama-family RMSNorm (weight x normalized input, normalized in float32 and cast back),
+    as one fused op instead of the module's seven: bit-identical to it (tested)."""
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class _LayerPlan:
+    """What one decoder layer's step needs, resolved once per decoder (no module lookups per token).
+    A linear is (weight, bias) when it is a plain nn.Linear (run through `_linear`), else its module."""
+
+    ln1: nn.Module
+    ln2: nn.Module
+    qkv: Optional[tuple]  # fused (weight, bias, sizes) or None
+    q: object
+    k: object
+    v: object
+    q_norm: Optional[nn.Module]
+    k_norm: Optional[nn.Module]
+    o: object
+    gate_up: Optional[tuple]
+    down: object
+    mlp: nn.Module
+    act: object
+
+
+def _plain(module: nn.Module):
+    return (module.weight, module.bias) if type(module) is nn.Linear else module
+
+
+def _run(lin, x: torch.Tensor) -> torch.Tensor:
+    return _linear(x, lin[0], lin[1]) if type(lin) is tuple else lin(x)
 
 
 class LeanDecoder:
@@ -81,19 +113,30 @@ class LeanDecoder:
     def __init__(self, model: nn.Module, cache, fp8_scales: Optional[dict] = None):
         self.model, self.cache = model, cache
         self.inner = model.model
-        self.layers = list(self.inner.layers)
+        layers = list(self.inner.layers)
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = self.head_dim ** -0.5
         self.fp8_scales = fp8_scales
-        self.head = model.get_output_embeddings()
+        self.head = _plain(model.get_output_embeddings())
         fused = getattr(model, "_quantkit_fused", None)  # fused once per model, reused by every generate
         if fused is None:
-            fused = ([_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers],
-                     [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers])
+            fused = ([_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in layers],
+                     [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in layers])
             model._quantkit_fused = fused
-        self.qkv, self.gate_up = fused
+        self.plans = []
+        for layer, qkv, gate_up in zip(layers, *fused):
+            attn, mlp = layer.self_attn, layer.mlp
+            self.plans.append(_LayerPlan(
+                layer.input_layernorm, layer.post_attention_layernorm, qkv,
+                _plain(attn.q_proj), _plain(attn.k_proj), _plain(attn.v_proj),
+                getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), _plain(attn.o_proj),
+                gate_up, _plain(mlp.down_proj), mlp, F.silu if cfg.hidden_act == "silu" else mlp.act_fn))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head over one position's final hidden state [B, H] (already normed)."""
+        return _run(self.head, hidden)
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, slot: int, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -102,40 +145,47 @@ class LeanDecoder:
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, positions)  # [B, 1, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        attend = mask[:, None, None, :].bool()  # [B, 1, 1, slot + 1]
-        b = ids.shape[0]
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            if self.qkv[i] is not None:
-                weight, bias, sizes = self.qkv[i]
-                q, k, v = _linear(x, weight, bias).split(sizes, dim=-1)
+        b, d, heads = ids.shape[0], self.head_dim, self.heads
+        # no padding (e.g. one prompt): no mask at all; else one additive mask for every layer
+        attend = None if bool(mask.all()) else \
+            torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(mask == 0, float("-inf"))[:, None, None]
+        gqa = heads != self.kv_heads
+        for i, p in enumerate(self.plans):
+            x = _rms_norm(h, p.ln1)
+            if p.qkv is not None:
+                weight, bias, sizes = p.qkv
+                y = _linear(x, weight, bias)
+                if p.q_norm is None:  # RoPE once over the q and k heads side by side
+                    qk = y[..., : sizes[0] + sizes[1]].view(b, 1, -1, d).transpose(1, 2)
+                    q, k = (qk * cos + _rotate_half(qk) * sin).split([heads, sizes[1] // d], dim=1)
+                    v = y[..., sizes[0] + sizes[1]:].view(b, 1, -1, d).transpose(1, 2)
+                else:
+                    q, k, v = y.split(sizes, dim=-1)
             else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            q = q.view(b, 1, -1, self.head_dim)
-            k = k.view(b, 1, -1, self.head_dim)
-            v = v.view(b, 1, -1, self.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):  # qwen3: per-head norms before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                q, k, v = _run(p.q, x), _run(p.k, x), _run(p.v, x)
+            if p.qkv is None or p.q_norm is not None:
+                q, k = q.view(b, 1, -1, d), k.view(b, 1, -1, d)
+                v = v.view(b, 1, -1, d).transpose(1, 2)
+                if p.q_norm is not None:  # qwen3: per-head norms before RoPE
+                    q, k = _rms_norm(q, p.q_norm), _rms_norm(k, p.k_norm)
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
             if self.fp8_scales is not None:
                 ks, vs = self.fp8_scales[i]
                 k, v = fake_quantize(k, head_view(ks)), fake_quantize(v, head_view(vs))
             store = self.cache.layers[i]
             store.keys[:, :, slot] = k[:, :, 0]
             store.values[:, :, slot] = v[:, :, 0]
-            keys, values = store.keys[:, :, : slot + 1], store.values[:, :, : slot + 1]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, scale=self.scaling,
-                                               enable_gqa=self.heads != self.kv_heads)
-            h = h + _apply(attn.o_proj, o.transpose(1, 2).reshape(b, 1, -1))
-            x = layer.post_attention_layernorm(h)
-            if self.gate_up[i] is not None:
-                weight, bias, sizes = self.gate_up[i]
+            o = F.scaled_dot_product_attention(q, store.keys[:, :, : slot + 1], store.values[:, :, : slot + 1],
+                                               attn_mask=attend, scale=self.scaling, enable_gqa=gqa)
+            h = h + _run(p.o, o.transpose(1, 2).reshape(b, 1, -1))
+            x = _rms_norm(h, p.ln2)
+            if p.gate_up is not None:
+                weight, bias, sizes = p.gate_up
                 gate, up = _linear(x, weight, bias).split(sizes, dim=-1)
-                h = h + _apply(layer.mlp.down_proj, layer.mlp.act_fn(gate) * up)
+                h = h + _run(p.down, p.act(gate) * up)
             else:
-                h = h + layer.mlp(x)
-        h = self.inner.norm(h)
-        return _apply(self.head, h[:, -1])
+                h = h + p.mlp(x)
+        h = _rms_norm(h, self.inner.norm)
+        return self.logits(h[:, -1])

@@ -62,6 +62,7 @@ def load(path: Union[str, Path, None], dtype: Optional[torch.dtype] = None) -> P
         _add_kv_scale_slots(model, plan.kv_cache_strategy)
     _assign_tensors(model, path, quantized, dtype, to_module)
     model.eval()
+    model.requires_grad_(False)  # an inference model: no autograd bookkeeping, and the decode step may fuse weights
     prepare_kernels(model, dtype)
     model.quantkit_source = str(path)
     return model
