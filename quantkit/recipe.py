@@ -37,6 +37,7 @@ class SchemeSpec(_Strict):
     block_structure: Optional[list[int]] = None
     actorder: Optional[Literal["static"]] = None
     input_activations: Optional[dict[str, Any]] = None  # FP8: {strategy: token} or {strategy: tensor, observer: mse}
+    observer: Optional[Literal["minmax", "mse"]] = None  # FP8 weight scales (see QuantScheme)
 
     @model_validator(mode="before")
     @classmethod

@@ -49,6 +49,7 @@ class QuantScheme(BaseModel):
     block_structure: Optional[tuple[int, int]] = None  # [rows, cols] sharing one scale; only for strategy "block"
     actorder: Optional[Literal["static"]] = None  # GPTQ column order; "static" keeps groups contiguous
     input_activations: Optional[ActivationScheme] = None  # FP8 only: None = weight-only (16-bit activations)
+    observer: Literal["minmax", "mse"] = "minmax"  # FP8 weight scales: absmax / 448, or the MSE-best shrink of it
 
     @model_validator(mode="before")
     @classmethod
@@ -80,6 +81,9 @@ class QuantScheme(BaseModel):
             return self
         if self.input_activations is not None:
             raise ValueError("activation quantization is FP8 only here: int weights run with 16-bit activations")
+        if self.observer != "minmax":
+            raise ValueError("observer 'mse' is for FP8 weights; int weights get their clipping from the "
+                             "algorithm (AWQ's clip search, GPTQ's error compensation)")
         if self.strategy not in ("channel", "group"):
             raise ValueError(f"int weights take strategy group or channel, not {self.strategy!r}")
         if self.block_structure is not None:
@@ -114,7 +118,7 @@ class QuantScheme(BaseModel):
             gran = f"block{list(self.block_structure)}" if self.strategy == "block" else self.strategy
             act = self.input_activations
             acts = "a16" if act is None else f"a8 {'dynamic per-token' if act.dynamic else f'static {act.observer}'}"
-            return f"fp8 {gran} {acts}"
+            return f"fp8 {gran}{' mse' if self.observer == 'mse' else ''} {acts}"
         gran = "channel" if self.strategy == "channel" else f"g{self.group_size}"
         order = " actorder" if self.actorder else ""
         return f"int{self.num_bits} {'sym' if self.symmetric else 'asym'} {gran}{order}"

@@ -65,6 +65,28 @@ def test_weight_sqnr_bounds():
         assert sqnr > 28, (strategy, float(sqnr))  # e4m3 relative error ~ 2^-4 per element: ~31 dB
 
 
+def test_weight_mse_observer_per_scale():
+    """Each scale is chosen on its own weights: never a larger squared error than min-max for that
+    channel / block / tensor, smaller in total on gaussian channels and blocks, and a row that min-max already
+    represents exactly keeps its min-max scale."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) * 0.02
+    w[0] = torch.tensor([448.0, -224.0, 112.0, 56.0] * 64) / 448  # on the e4m3 grid at scale 1/448
+    for strategy, block in (("tensor", None), ("channel", None), ("block", (16, 64))):
+        mm = quantize_weight(w, strategy, torch.float32, block)
+        mse = quantize_weight(w, strategy, torch.float32, block, observer="mse")
+        assert mse.scale.shape == mm.scale.shape and torch.all(mse.scale <= mm.scale)
+        unit = {"tensor": lambda e: e.sum().reshape(1), "channel": lambda e: e.sum(1),
+                "block": lambda e: e.reshape(4, 16, 4, 64).sum((1, 3)).flatten()}[strategy]
+        err_mm, err_mse = unit((mm.dequantize() - w) ** 2), unit((mse.dequantize() - w) ** 2)
+        assert torch.all(err_mse <= err_mm), strategy
+        if strategy != "tensor":  # (one scale for all, set by row 0's exact values: nothing to gain)
+            assert float(err_mse.sum()) < 0.97 * float(err_mm.sum()), strategy
+    ch = quantize_weight(w, "channel", torch.float32, observer="mse")
+    assert float(ch.scale[0]) == float(torch.tensor(1 / 448)) and torch.equal(ch.dequantize()[0], w[0])
+    with pytest.raises(ValueError, match="observer"):
+        quantize_weight(w, "channel", torch.float32, observer="percentile")
+
+
 def test_dynamic_per_token_scales():
     x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [448.0 * 3, 1.0, -7.0]])
     q, s = fp8_quantize_per_token(x)

@@ -1,6 +1,7 @@
 """FP8 (e4m3) weights, and the input activations' static scales, as a pipeline stage.
 
-Weights: min-max scales per tensor, channel or block (`quantkit.quant.fp8`). Activations:
+Weights: scales per tensor, channel or block from the absmax or its MSE-best shrink (the
+scheme's `observer`; `quantkit.quant.fp8`). Activations:
 dynamic per-token schemes need nothing at quantization time (the stage then runs without
 calibration data); static per-tensor schemes observe every calibration input of each linear and
 set its `input_scale` from the absmax (observer `minmax`) or the MSE-best shrink of it (`mse`,
@@ -60,7 +61,7 @@ class FP8(Algorithm):
         out = {}
         block = self.scheme.block_structure
         for name, lin in linears.items():
-            qw = quantize_weight(lin.weight.data, self.scheme.strategy, scale_dtype, block)
+            qw = quantize_weight(lin.weight.data, self.scheme.strategy, scale_dtype, block, self.scheme.observer)
             qw.scheme = self.scheme
             if self.static:
                 if name not in self._absmax:

@@ -32,7 +32,7 @@ class FloatQuantized(QuantFormat):
         return {
             "num_bits": 8, "type": "float", "symmetric": True, "strategy": scheme.strategy, "group_size": None,
             "block_structure": list(scheme.block_structure) if scheme.block_structure else None,
-            "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {},
+            "dynamic": False, "actorder": None, "observer": scheme.observer, "observer_kwargs": {},
             "scale_dtype": None, "zp_dtype": None,
         }
 

@@ -3,7 +3,8 @@
 Pure functions of tensors. Dequantized value = fp8 value x scale, scale = absmax / 448
 (compressed-tensors' convention). Casts saturate at +-448 and never produce inf or NaN for
 finite input. Weight strategies: per tensor, per output channel, or per [bn, bk] block.
-Activation scales are either dynamic (per token, at run time; `kernels.reference`) or static
+Weight scales come from the absmax (observer `minmax`) or the MSE-best shrink of it per scale
+(`mse`, data-free). Activation scales are either dynamic (per token, at run time; `kernels.reference`) or static
 (per tensor, from calibration statistics) with an observer: `minmax` (absmax / 448) or `mse`
 (the absmax shrink factor whose quantize-dequantize error over sampled values is smallest).
 """
@@ -73,22 +74,44 @@ def _expand_block_scale(scale: torch.Tensor, block: tuple[int, int], shape: torc
     return scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: shape[0], : shape[1]]
 
 
+WEIGHT_MSE_SHRINKS = tuple(1.0 - 0.01 * i for i in range(21))  # absmax x 1.00, 0.99, ..., 0.80
+
+
 def quantize_weight(w: torch.Tensor, strategy: str, scale_dtype: torch.dtype,
-                    block: Optional[tuple[int, int]] = None) -> Fp8Weight:
-    """Min-max FP8 quantization of a weight [out, in]."""
+                    block: Optional[tuple[int, int]] = None, observer: str = "minmax") -> Fp8Weight:
+    """FP8 quantization of a weight [out, in] with one scale per tensor, output channel or block.
+
+    observer "minmax": scale = absmax / 448. "mse": each scale is the absmax x f / 448, f in
+    WEIGHT_MSE_SHRINKS, whose quantize-dequantize squared error over its own weights is smallest
+    (data-free; f = 1 is a candidate, so it is never worse than minmax on that error)."""
+    if strategy not in ("tensor", "channel", "block"):
+        raise ValueError(f"unknown FP8 weight strategy {strategy!r}; use tensor, channel or block")
+    if strategy == "block" and block is None:
+        raise ValueError("block strategy needs a block structure, e.g. [128, 128]")
+    if observer not in ("minmax", "mse"):
+        raise ValueError(f"unknown FP8 weight observer {observer!r}; use minmax or mse")
     w = w.float()
+    absmax = _per_unit(w.abs(), strategy, block, "amax")
+    expand = (lambda s: _expand_block_scale(s, block, w.shape)) if strategy == "block" else (lambda s: s)
+    scale = scale_from_absmax(absmax, scale_dtype)
+    if observer == "mse":
+        best = _per_unit((fake_quantize(w, expand(scale)) - w).pow(2), strategy, block, "sum")
+        for f in WEIGHT_MSE_SHRINKS[1:]:
+            cand = scale_from_absmax(absmax * f, scale_dtype)
+            err = _per_unit((fake_quantize(w, expand(cand)) - w).pow(2), strategy, block, "sum")
+            better = err < best
+            scale, best = torch.where(better, cand, scale), torch.where(better, err, best)
+    return Fp8Weight(quantize(w, expand(scale)), scale, strategy, tuple(block) if strategy == "block" else None)
+
+
+def _per_unit(x: torch.Tensor, strategy: str, block: Optional[tuple[int, int]], how: str) -> torch.Tensor:
+    """Reduce x [out, in] to one value per scale: [1] per tensor, [out, 1] per channel, [out/bn, in/bk] per block."""
     if strategy == "tensor":
-        scale = scale_from_absmax(w.abs().amax().reshape(1), scale_dtype)
-        return Fp8Weight(quantize(w, scale), scale, strategy)
+        return (x.amax() if how == "amax" else x.sum()).reshape(1)
     if strategy == "channel":
-        scale = scale_from_absmax(w.abs().amax(dim=1, keepdim=True), scale_dtype)
-        return Fp8Weight(quantize(w, scale), scale, strategy)
-    if strategy == "block":
-        if block is None:
-            raise ValueError("block strategy needs a block structure, e.g. [128, 128]")
-        scale = scale_from_absmax(_block_view(w.abs(), block).amax(dim=(1, 3)), scale_dtype)
-        return Fp8Weight(quantize(w, _expand_block_scale(scale, block, w.shape)), scale, strategy, tuple(block))
-    raise ValueError(f"unknown FP8 weight strategy {strategy!r}; use tensor, channel or block")
+        return x.amax(dim=1, keepdim=True) if how == "amax" else x.sum(dim=1, keepdim=True)
+    v = _block_view(x, block)
+    return v.amax(dim=(1, 3)) if how == "amax" else v.sum(dim=(1, 3))
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, strategy: str, block: Optional[tuple[int, int]],
