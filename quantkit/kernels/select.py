@@ -41,8 +41,14 @@ def interpreting() -> bool:
 
 
 def triton_unsupported_reason(device: torch.device, num_bits: int) -> Optional[str]:
+    """Why the Triton W4A16 kernel cannot run an int linear of `num_bits` on `device` (None: it can)."""
     if num_bits != 4:
         return f"the Triton kernel takes 4-bit weights, not {num_bits}-bit"
+    return triton_device_reason(device)
+
+
+def triton_device_reason(device: torch.device) -> Optional[str]:
+    """Why no Triton kernel can run on `device` (None: they can)."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install 'quantkit[triton]')"
     if device.type == "cuda":

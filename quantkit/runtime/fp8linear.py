@@ -18,7 +18,7 @@ from torch import nn
 
 from quantkit.errors import KernelError
 from quantkit.kernels.reference import fp8_quantize_per_token
-from quantkit.kernels.select import ENV, forced_kernel, triton_unsupported_reason
+from quantkit.kernels.select import ENV, forced_kernel, triton_device_reason
 from quantkit.quant.fp8 import FP8_DTYPE, Fp8Weight, dequantize_weight, quantize
 from quantkit.schemes import QuantScheme
 
@@ -66,7 +66,7 @@ class Fp8Linear(nn.Module):
     def _choose(self, device: torch.device) -> str:
         forced = forced_kernel()
         usable = self.scheme.strategy != "block" and self.scheme.input_activations is not None
-        reason = triton_unsupported_reason(device, 4) if usable else "block weights / weight-only FP8 run emulated"
+        reason = triton_device_reason(device) if usable else "block weights / weight-only FP8 run emulated"
         if forced == "triton" and reason:
             raise KernelError(f"{ENV}=triton cannot run this FP8 layer: {reason}")
         if forced == "cpu":
