@@ -2,12 +2,15 @@
 
 transformers' forward spends much of a decode step on Python around the matmuls (decorators,
 keyword plumbing, mask construction over the whole cache, module dispatch). This step runs the
-same maths on the same modules' weights with little of that: the linears are the model's own
-modules (plain, packed int4 or FP8: each uses its kernel), norms and the MLP are called directly,
-keys/values are written into the preallocated StaticCache the prefill filled, and attention reads
-only the filled part with a boolean padding mask. Plain 16-bit q/k/v and gate/up projections are
-fused (one GEMV each instead of three and two): their weights are re-stored as views into one
-concatenated tensor, so nothing is duplicated and the modules keep working as before. Greedy outputs are tested equal to transformers'.
+same maths on the same weights with little of that. Each layer's parts are resolved once per
+generate (`_LayerPlan`); plain linears run as GEMVs on their weights, packed int4 / FP8 linears as
+their own modules (each uses its kernel); RMSNorm is one fused op (bit-identical to the module);
+RoPE is applied once over the q and k heads side by side; keys/values are written into the
+preallocated StaticCache the prefill filled, and attention reads only the filled part, with an
+additive padding mask only when a row is padded. Plain q/k/v and gate/up projections of one
+dtype are fused (one GEMV each instead of three and two): their weights are re-stored as views
+into one concatenated tensor, so nothing is duplicated and the modules keep working as before.
+Logits are tested against transformers' forward, and greedy outputs equal to transformers'.
 Other architectures (e.g. Gemma 3: sliding windows, logit softcapping) keep transformers' forward.
 """
 
