@@ -244,6 +244,19 @@ def test_speculative_greedy_is_plain_greedy(tiny_llama, tokenizer, draft_model):
     assert stats.acceptance_rate == 1.0
 
 
+def test_lean_draft_equals_the_full_forward_draft(tokenizer, draft_model):
+    """The speculative draft through the lean step over a StaticCache gives the logits of the
+    transformers forward over a cropped DynamicCache, including after a rejected draft is rolled back."""
+    from transformers import DynamicCache
+
+    from quantkit.runtime.speculative import _LeanDraft, _Model
+
+    lean, full = _LeanDraft(draft_model, 40), _Model(draft_model, DynamicCache(config=draft_model.config))
+    seq = sample_ids(tokenizer, 1, 10)[0].tolist()
+    for tokens in (seq, seq + [5], seq + [5, 7, 9], seq + [5, 8, 11, 12], seq + [5, 8], seq + [5, 8, 11, 6, 13]):
+        assert (lean.last_logits(tokens) - full.last_logits(tokens)).abs().max() < 1e-4, len(tokens)
+
+
 def test_speculative_sampling_keeps_the_target_distribution(tiny_llama, tokenizer, draft_model):
     """First-token frequencies over many seeds, speculative vs plain sampling from the target, on a
     4-token support (top_k 4: the draft's top 4 differ from the target's, so rejections and the

@@ -9,7 +9,8 @@ norm(max(p_i - q_i, 0)); if all k are kept, one more token comes from p_{k+1}. T
 tokens are then distributed exactly as the target's own samples (Leviathan et al., 2023). With
 temperature 0 both distributions are one-hot at their argmax, so a draft is kept exactly when it
 is the target's greedy token and the output is the target's plain greedy output. Caches are
-cropped back to the committed sequence after every round.
+cropped back to the committed sequence after every round. A llama-family draft runs through the
+lean decode step over a StaticCache (a draft is only worth its per-token cost).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from quantkit.runtime import lean_decode
 from quantkit.runtime.detokenize import IncrementalDetokenizer
 from quantkit.runtime.generate import Completion, context_limit, end_token_ids
 from quantkit.runtime.kv_cache import make_cache
@@ -61,6 +63,40 @@ class _Model:
         self.tokens = list(tokens)
         return logits[start - keep:].float().cpu()
 
+    def last_logits(self, tokens: list[int]) -> torch.Tensor:
+        return self.logits_from(tokens, len(tokens) - 1)[-1]
+
+
+class _LeanDraft:
+    """A llama-family draft decoded through the lean step (`runtime.lean_decode`) over a StaticCache
+    of `capacity` slots: the prompt is prefilled once, then each call feeds only the tokens the cache
+    does not hold yet, one step each (slots past the committed sequence are simply overwritten)."""
+
+    def __init__(self, model: nn.Module, capacity: int):
+        self.model, self.cache = model, make_cache(model, None, max_cache_len=capacity)
+        self.lean = lean_decode.LeanDecoder(model, self.cache)
+        self.device = next(model.parameters()).device
+        self.mask = torch.ones((1, capacity), dtype=torch.long, device=self.device)
+        self.positions = torch.arange(capacity, device=self.device).unsqueeze(0)
+        self.tokens: list[int] = []
+
+    def last_logits(self, tokens: list[int]) -> torch.Tensor:
+        keep = 0
+        for a, b in zip(self.tokens, tokens[:-1]):  # the last token is always fed: its logits are the answer
+            if a != b:
+                break
+            keep += 1
+        if keep == 0 and len(tokens) > 1:
+            n = len(tokens) - 1
+            self.model.model(input_ids=torch.tensor([tokens[:n]], device=self.device), attention_mask=self.mask[:, :n],
+                             position_ids=self.positions[:, :n], cache=self.cache, use_cache=True)
+            keep = n
+        for slot in range(keep, len(tokens)):
+            logits = self.lean.step(torch.tensor([[tokens[slot]]], device=self.device), slot,
+                                    self.positions[:, slot : slot + 1], self.mask[:, : slot + 1])
+        self.tokens = list(tokens)
+        return logits[0].float().cpu()
+
 
 @torch.no_grad()
 def speculative_generate(target: nn.Module, draft: nn.Module, tokenizer, prompt_ids: list[int], params: SamplingParams,
@@ -81,7 +117,8 @@ def speculative_generate(target: nn.Module, draft: nn.Module, tokenizer, prompt_
     history = TokenHistory(vocab, seq)
     detok, stopper = IncrementalDetokenizer(tokenizer, seq), StopStringMatcher(params.stop)
     tgt = _Model(target, make_cache(target, kv_cache_dtype) or DynamicCache(config=target.config))
-    drf = _Model(draft, DynamicCache(config=draft.config))
+    drf = _LeanDraft(draft, len(seq) + budget + num_draft_tokens + 1) if lean_decode.supports(draft) \
+        else _Model(draft, DynamicCache(config=draft.config))
     stats = SpeculativeStats()
     out: list[int] = []
     text, finish, reason = "", None, None
@@ -98,7 +135,7 @@ def speculative_generate(target: nn.Module, draft: nn.Module, tokenizer, prompt_
         # draft k tokens
         hist = history.copy()
         drafts, qs = [], []
-        logits = drf.logits_from(seq, len(seq) - 1)[-1]
+        logits = drf.last_logits(seq)
         for i in range(num_draft_tokens):
             q = dist(logits, hist)
             d = draw(q)
@@ -106,7 +143,7 @@ def speculative_generate(target: nn.Module, draft: nn.Module, tokenizer, prompt_
             qs.append(q)
             hist.add(d)
             if i < num_draft_tokens - 1:
-                logits = drf.logits_from(seq + drafts, len(seq) + i)[-1]
+                logits = drf.last_logits(seq + drafts)
         # verify in one target forward: the distributions after the last committed token and after each draft
         p_logits = tgt.logits_from(seq + drafts, len(seq) - 1)
         hist = history.copy()
