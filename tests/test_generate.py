@@ -159,11 +159,45 @@ def test_lean_decode_step_matches_transformers_forward(tiny_models, tokenizer, a
 
 
 def test_lean_decode_step_runs_packed_int4_modules(tiny_llama, tokenizer, draft_model):
-    """A W4A16 checkpoint: q/k/v stay separate packed modules (nothing to fuse), same logits."""
+    """A W4A16 checkpoint: gate/up (128 outputs each) fuse into one CPU int4 weight; q/k/v cannot
+    (k/v have 32 outputs, the op packs rows in blocks of 64) and stay separate modules. Same logits."""
+    from quantkit.kernels.cpu_int4 import Int4PackedCPU
+
     ids = sample_ids(tokenizer, 1, 12)
+    ref = draft_model(ids).logits[:, -4:]
     ours = _lean_logits(draft_model, ids, 4)
-    assert draft_model._quantkit_fused[0][0] is None
-    assert (ours - draft_model(ids).logits[:, -4:]).abs().max() < 1e-4
+    qkv, gate_up = draft_model._quantkit_fused
+    assert all(f is None for f in qkv) and all(isinstance(f[0], Int4PackedCPU) for f in gate_up)
+    assert (ours - ref).abs().max() < 1e-4
+    assert (draft_model(ids).logits[:, -4:] - ref).abs().max() == 0  # the modules, re-pointed, still agree
+
+
+def test_lean_decode_fuses_int4_qkv_without_copying_weights(tokenizer, tmp_path):
+    """With 64-row multiples everywhere q/k/v fuse too; each module's kernel weight becomes a view of
+    the fused one (no second copy), and logits stay those of transformers' forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.kernels.cpu_int4 import Int4PackedCPU
+
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                  max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    out = quantize(str(tmp_path / "m"), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]), tmp_path / "q",
+                   progress=False).output
+    model = quantkit.load(out, dtype=torch.float32)
+    ids = sample_ids(tokenizer, 1, 12)
+    ref = model(ids).logits[:, -4:]
+    ours = _lean_logits(model, ids, 4)
+    assert (ours - ref).abs().max() < 1e-4
+    fused, _, sizes = model._quantkit_fused[0][0]
+    assert isinstance(fused, Int4PackedCPU) and sizes == [64, 64, 64]
+    attn = model.model.layers[0].self_attn
+    starts = [m._prepared[2].packed.data_ptr() for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    row = fused.packed.stride(0) * fused.packed.element_size()
+    assert starts == [fused.packed.data_ptr() + i * 64 * row for i in range(3)]
 
 
 def test_batch_of_different_lengths_equals_single_requests(tiny_llama, tokenizer):

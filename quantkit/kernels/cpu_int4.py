@@ -22,6 +22,7 @@ GROUP_SIZES = (256, 128, 64, 32)
 # switches to its dequantize path above it (prefill of long prompts, perplexity windows).
 MAX_TOKENS = 160
 N_MULTIPLE = 16
+ROW_BLOCK = 64  # the op packs rows in blocks of 64: packed weights of such blocks concatenate along N
 
 
 def available() -> bool:

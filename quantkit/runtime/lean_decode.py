@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.kernels import cpu_int4
 from quantkit.quant.fp8 import fake_quantize
 from quantkit.runtime.kv_cache import head_view
+from quantkit.runtime.qlinear import PackedIntLinear
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -36,12 +38,23 @@ def supports(model: nn.Module) -> bool:
             and hasattr(getattr(getattr(model, "model", None), "norm", None), "variance_epsilon"))
 
 
-def _fuse(linears: list[nn.Module]):
-    """(weight, bias, sizes) of one linear equal to `linears` stacked on the output dim, with each
-    module's weight (and bias) re-stored as a view into it; None unless all are plain nn.Linear of
-    one dtype and device."""
-    if any(type(m) is not nn.Linear for m in linears):
-        return None
+def _fuse(linears: list[nn.Module], dtype: torch.dtype):
+    """(weight, bias, sizes) of one linear equal to `linears` stacked on the output dim, or None.
+
+    Plain nn.Linear modules of one dtype: weight is one concatenated tensor and each module's weight
+    (and bias) is re-stored as a view into it. Packed int4 modules on the CPU int4 op: weight is one
+    Int4PackedCPU whose packed rows are the modules' packed rows side by side (the op packs rows in
+    blocks of 64, so every module must have a multiple of 64 outputs) and each module's own kernel
+    weight is re-pointed to its rows of it; only the small scale tables are copied. Nothing large
+    is duplicated and the modules keep working as before."""
+    if all(type(m) is nn.Linear for m in linears):
+        return _fuse_plain(linears)
+    if all(isinstance(m, PackedIntLinear) for m in linears):
+        return _fuse_int4_cpu(linears, dtype)
+    return None
+
+
+def _fuse_plain(linears: list[nn.Linear]):
     ws = [m.weight for m in linears]
     if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or any(w.requires_grad for w in ws):
         return None
@@ -59,6 +72,30 @@ def _fuse(linears: list[nn.Module]):
         sizes.append(n)
         start += n
     return weight, bias, sizes
+
+
+def _fuse_int4_cpu(linears: list[PackedIntLinear], dtype: torch.dtype):
+    device = linears[0].weight_packed.device
+    if device.type != "cpu" or any(m.prepare(device, dtype) != "cpu" for m in linears):
+        return None
+    packs = [m._prepared[2] for m in linears]
+    if len({(p.group_size, p.packed.shape[1], p.scale_zeros.shape[0]) for p in packs}) != 1 \
+            or any(m.out_features % cpu_int4.ROW_BLOCK for m in linears):
+        return None
+    has_bias = [m.bias is not None for m in linears]
+    if any(has_bias) and not all(has_bias):
+        return None
+    packed = torch.cat([p.packed for p in packs])
+    fused = cpu_int4.Int4PackedCPU(packed, torch.cat([p.scale_zeros for p in packs], dim=1),
+                                   packs[0].group_size, packed.shape[0])
+    start = 0
+    for m, p in zip(linears, packs):
+        n = m.out_features
+        m._prepared = (m._prepared[0], "cpu", cpu_int4.Int4PackedCPU(packed[start : start + n], p.scale_zeros,
+                                                                    p.group_size, n))
+        start += n
+    bias = torch.cat([m.bias.data for m in linears]) if all(has_bias) else None
+    return fused, bias, [m.out_features for m in linears]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -110,6 +147,11 @@ def _run(lin, x: torch.Tensor) -> torch.Tensor:
     return _linear(x, lin[0], lin[1]) if type(lin) is tuple else lin(x)
 
 
+def _fused(weight, bias, x: torch.Tensor) -> torch.Tensor:
+    """A fused projection: a 16-bit/fp32 weight tensor, or a packed int4 weight for the CPU op."""
+    return _linear(x, weight, bias) if isinstance(weight, torch.Tensor) else weight.matmul(x, bias)
+
+
 class LeanDecoder:
     """Decode steps over a StaticCache filled by a transformers prefill of `total` slots."""
 
@@ -123,11 +165,13 @@ class LeanDecoder:
         self.scaling = self.head_dim ** -0.5
         self.fp8_scales = fp8_scales
         self.head = _plain(model.get_output_embeddings())
-        fused = getattr(model, "_quantkit_fused", None)  # fused once per model, reused by every generate
-        if fused is None:
-            fused = ([_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in layers],
-                     [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in layers])
-            model._quantkit_fused = fused
+        # fused once per model (and compute dtype / device), reused by every generate
+        key = (model.get_input_embeddings().weight.device, model.get_input_embeddings().weight.dtype)
+        fused = getattr(model, "_quantkit_fused", None)
+        if fused is None or model._quantkit_fused_key != key:
+            fused = ([_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], key[1]) for l in layers],
+                     [_fuse([l.mlp.gate_proj, l.mlp.up_proj], key[1]) for l in layers])
+            model._quantkit_fused, model._quantkit_fused_key = fused, key
         self.plans = []
         for layer, qkv, gate_up in zip(layers, *fused):
             attn, mlp = layer.self_attn, layer.mlp
@@ -157,7 +201,7 @@ class LeanDecoder:
             x = _rms_norm(h, p.ln1)
             if p.qkv is not None:
                 weight, bias, sizes = p.qkv
-                y = _linear(x, weight, bias)
+                y = _fused(weight, bias, x)
                 if p.q_norm is None:  # RoPE once over the q and k heads side by side
                     qk = y[..., : sizes[0] + sizes[1]].view(b, 1, -1, d).transpose(1, 2)
                     q, k = (qk * cos + _rotate_half(qk) * sin).split([heads, sizes[1] // d], dim=1)
@@ -186,7 +230,7 @@ class LeanDecoder:
             x = _rms_norm(h, p.ln2)
             if p.gate_up is not None:
                 weight, bias, sizes = p.gate_up
-                gate, up = _linear(x, weight, bias).split(sizes, dim=-1)
+                gate, up = _fused(weight, bias, x).split(sizes, dim=-1)
                 h = h + _run(p.down, p.act(gate) * up)
             else:
                 h = h + p.mlp(x)
