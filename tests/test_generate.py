@@ -142,6 +142,18 @@ def _lean_logits(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
                         for s in range(width, total)], 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_rms_norm_is_bit_identical_to_the_module(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    norm.weight.data = (torch.randn(576, generator=g) * 0.5 + 1).to(dtype)
+    for scale in (1e-3, 1.0, 30.0):
+        x = (torch.randn(3, 1, 576, generator=g) * scale).to(dtype)
+        assert torch.equal(lean_decode._rms_norm(x, norm), norm(x)), scale
+
+
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen3", torch.float32), ("llama", torch.bfloat16)])
 def test_lean_decode_step_matches_transformers_forward(tiny_models, tokenizer, arch, dtype):
     """The lean step (fused q/k/v and gate/up, fused RMSNorm, GEMVs) against transformers' own

@@ -42,6 +42,16 @@ class SpeculativeStats:
         return self.accepted / self.proposed if self.proposed else float("nan")
 
 
+def _shared_prefix(held: list[int], tokens: list[int]) -> int:
+    """How many leading tokens of `tokens` a cache holding `held` can keep."""
+    keep = 0
+    for a, b in zip(held, tokens):
+        if a != b:
+            break
+        keep += 1
+    return keep
+
+
 class _Model:
     """A model with its cache and the tokens the cache holds."""
 
@@ -51,11 +61,7 @@ class _Model:
     def logits_from(self, tokens: list[int], start: int) -> torch.Tensor:
         """Logits [len(tokens) - start, vocab] of positions start.. of `tokens`: the cache is cropped to
         what it shares with `tokens` (at most `start` tokens) and the rest is fed in one forward."""
-        keep = 0
-        for a, b in zip(self.tokens, tokens[:start]):
-            if a != b:
-                break
-            keep += 1
+        keep = _shared_prefix(self.tokens, tokens[:start])
         if len(self.tokens) > keep:
             self.cache.crop(keep - len(self.tokens))  # transformers 5: a negative count removes that many
         ids = torch.tensor([tokens[keep:]], device=next(self.model.parameters()).device)
@@ -81,11 +87,7 @@ class _LeanDraft:
         self.tokens: list[int] = []
 
     def last_logits(self, tokens: list[int]) -> torch.Tensor:
-        keep = 0
-        for a, b in zip(self.tokens, tokens[:-1]):  # the last token is always fed: its logits are the answer
-            if a != b:
-                break
-            keep += 1
+        keep = _shared_prefix(self.tokens, tokens[:-1])  # the last token is always fed: its logits are the answer
         if keep == 0 and len(tokens) > 1:
             n = len(tokens) - 1
             self.model.model(input_ids=torch.tensor([tokens[:n]], device=self.device), attention_mask=self.mask[:, :n],
