@@ -1,7 +1,8 @@
 """How much perplexity moves between equally good FP8 roundings of the same weights: the noise
 floor under which two FP8 quantizers (or a quantizer and a reference figure) cannot be told apart.
 
-Usage: python bench/rounding_noise.py CHECKPOINT [--seeds 3] [--fraction 0.03] [--windows 16]
+Usage: python bench/rounding_noise.py CHECKPOINT [--seeds 3] [--first-seed 0] [--fraction 0.03] [--windows 16]
+                                              [--no-double-rounding]
 CHECKPOINT is a float-quantized (FP8) checkpoint written by quantkit; its source model is read from
 its quantkit.json. Each seed writes a copy in which `fraction` of the weight codes, picked at random
 among near-ties (|w / s - midpoint| < 2^-7 |w / s|), are rounded to their other neighbour instead of
@@ -27,6 +28,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds run from here (to extend an earlier run)")
+    parser.add_argument("--no-double-rounding", action="store_true", help="skip the weight-dtype division variant")
     parser.add_argument("--fraction", type=float, default=0.03)
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=2048)
@@ -48,7 +51,9 @@ def main() -> None:
     tensors = load_file(str(args.checkpoint / "model.safetensors"))
     text = load_text(args.dataset)
     rows = [("nearest (as written)", evaluate_one(str(args.checkpoint), text, args.seq_len, args.windows, False)["ppl"], 0.0)]
-    variants = [("weight-dtype division", None)] + [(f"random near-tie flips, seed {s}", s) for s in range(args.seeds)]
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    variants = [] if args.no_double_rounding else [("weight-dtype division", None)]
+    variants += [(f"random near-tie flips, seed {s}", s) for s in seeds]
     with tempfile.TemporaryDirectory(prefix="quantkit-noise-") as tmp:
         for name, seed in variants:
             out = Path(tmp) / "variant"

@@ -150,11 +150,13 @@ def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
         if scheme.actorder and not algo.supports_actorder:
             raise RecipeError(f"recipe {label}: stages.{i}.scheme.actorder: algorithm {stage.algorithm!r} "
                               "has no column order; drop actorder or use gptq")
-        if scheme.is_fp8 != algo.supports_fp8 and algo.produces_weights:
+        if algo.produces_weights and not (algo.supports_fp8 if scheme.is_fp8 else algo.supports_int):
+            able = [n for n in ALGORITHMS.names()
+                    if ALGORITHMS.get(n).produces_weights
+                    and (ALGORITHMS.get(n).supports_fp8 if scheme.is_fp8 else ALGORITHMS.get(n).supports_int)]
             raise RecipeError(
-                f"recipe {label}: stages.{i}: algorithm {stage.algorithm!r} "
-                + ("quantizes FP8 schemes only; use an int scheme with rtn or gptq" if algo.supports_fp8
-                   else "quantizes int weights; for FP8 schemes use `algorithm: fp8`"))
+                f"recipe {label}: stages.{i}: algorithm {stage.algorithm!r} does not quantize "
+                f"{'FP8' if scheme.is_fp8 else 'int'} schemes; algorithms that do: {', '.join(able)}")
 
 
 def _format_errors(label: str, exc: ValidationError, root: type[BaseModel], prefix: str = "") -> str:

@@ -76,8 +76,6 @@ class QuantScheme(BaseModel):
                 raise ValueError("strategy 'block' needs block_structure (e.g. [128, 128]), and only it takes one")
             if self.block_structure is not None and min(self.block_structure) <= 0:
                 raise ValueError(f"block_structure {list(self.block_structure)} must be positive")
-            if self.actorder is not None:
-                raise ValueError("actorder applies to GPTQ on int weights, not FP8")
             return self
         if self.input_activations is not None:
             raise ValueError("activation quantization is FP8 only here: int weights run with 16-bit activations")
@@ -103,6 +101,11 @@ class QuantScheme(BaseModel):
         return self.type == "float"
 
     @property
+    def has_static_input(self) -> bool:
+        """Activations quantized with a static (calibrated) scale."""
+        return self.input_activations is not None and not self.input_activations.dynamic
+
+    @property
     def qmin(self) -> int:
         return -(1 << (self.num_bits - 1))
 
@@ -118,7 +121,8 @@ class QuantScheme(BaseModel):
             gran = f"block{list(self.block_structure)}" if self.strategy == "block" else self.strategy
             act = self.input_activations
             acts = "a16" if act is None else f"a8 {'dynamic per-token' if act.dynamic else f'static {act.observer}'}"
-            return f"fp8 {gran}{' mse' if self.observer == 'mse' else ''} {acts}"
+            order = " actorder" if self.actorder else ""
+            return f"fp8 {gran}{' mse' if self.observer == 'mse' else ''}{order} {acts}"
         gran = "channel" if self.strategy == "channel" else f"g{self.group_size}"
         order = " actorder" if self.actorder else ""
         return f"int{self.num_bits} {'sym' if self.symmetric else 'asym'} {gran}{order}"

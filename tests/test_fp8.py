@@ -160,15 +160,18 @@ def fp8_checkpoints(tiny_models, tmp_path_factory):
     cases = {"fp8-dynamic": [], "fp8-static": ["calibration.num_samples=4", "calibration.seq_len=32"],
              "fp8-static-kv": ["calibration.num_samples=4", "calibration.seq_len=32"],
              "block": ["calibration.num_samples=4", "calibration.seq_len=32", "stages.0.scheme=FP8_BLOCK",
-                       "stages.0.scheme.block_structure=[32,32]"]}
+                       "stages.0.scheme.block_structure=[32,32]"],
+             "gptq-fp8-dynamic": ["calibration.num_samples=4", "calibration.seq_len=32"],
+             "gptq-fp8-static": ["calibration.num_samples=4", "calibration.seq_len=32", "stages.0.scheme=FP8"]}
+    recipe_of = {"block": "fp8-dynamic", "gptq-fp8-static": "gptq-fp8-dynamic"}
     out = {}
     for name, overrides in cases.items():
-        recipe = load_recipe("fp8-dynamic" if name == "block" else name, overrides)
+        recipe = load_recipe(recipe_of.get(name, name), overrides)
         out[name] = quantize(str(tiny_models["llama"]), recipe, root / name, progress=False).output
     return out
 
 
-@pytest.mark.parametrize("case", ["fp8-dynamic", "fp8-static", "block"])
+@pytest.mark.parametrize("case", ["fp8-dynamic", "fp8-static", "block", "gptq-fp8-dynamic", "gptq-fp8-static"])
 def test_compressed_tensors_decompresses_to_our_weights(fp8_checkpoints, case):
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
@@ -186,7 +189,7 @@ def test_compressed_tensors_decompresses_to_our_weights(fp8_checkpoints, case):
         local = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
         theirs = FloatQuantizationCompressor.decompress(local, scheme)["weight"]
         assert torch.equal(theirs.to(torch.bfloat16), module.dequantize(torch.bfloat16)), name
-        if case == "fp8-static":
+        if case.endswith("fp8-static"):
             assert module.input_scale is not None and float(module.input_scale) > 0
         checked += 1
     assert checked == 21  # 3 layers x 7 linears
@@ -212,6 +215,36 @@ def test_transformers_reloads_fp8_and_agrees_with_our_runner(fp8_checkpoints, to
                 m.scheme = weights_only
         c = ours(ids).logits
     assert (a - c).abs().max() > 100 * 1e-5
+
+
+def test_gptq_fp8_keeps_the_nearest_scales_and_layout(fp8_checkpoints):
+    """gptq-fp8-dynamic writes fp8-dynamic's checkpoint layout and scales with other codes; its
+    static variant takes each linear's input scale from the same calibration inputs as fp8-static
+    (equal on layer 0, whose inputs do not depend on earlier quantized layers; q/k/v share one)."""
+    def read(case):
+        path = fp8_checkpoints[case]
+        return load_file(str(path / "model.safetensors")), json.loads((path / "config.json").read_text())
+
+    ours, cfg = read("gptq-fp8-dynamic")
+    ref, ref_cfg = read("fp8-dynamic")
+    assert cfg["quantization_config"]["config_groups"] == ref_cfg["quantization_config"]["config_groups"]
+    assert ours.keys() == ref.keys()
+    codes = changed = 0
+    for key, t in ours.items():
+        if key.endswith("weight_scale"):
+            assert torch.equal(t, ref[key]), key
+        elif t.dtype == torch.float8_e4m3fn:
+            changed += int((t.view(torch.uint8) != ref[key].view(torch.uint8)).sum())
+            codes += t.numel()
+    assert 0.01 < changed / codes < 0.9
+    static, _ = read("gptq-fp8-static")
+    ref_static, _ = read("fp8-static")
+    layer0 = [k for k in static if k.startswith("model.layers.0.") and k.endswith("input_scale")]
+    assert len(layer0) == 7
+    for key in layer0:
+        assert torch.equal(static[key], ref_static[key]), key
+    qkv = [static[f"model.layers.0.self_attn.{p}_proj.input_scale"] for p in "qkv"]
+    assert torch.equal(qkv[0], qkv[1]) and torch.equal(qkv[0], qkv[2])
 
 
 def test_in_memory_equals_reloaded(tiny_llama, fp8_checkpoints, tokenizer):
@@ -312,10 +345,12 @@ def test_kv_checkpoint_round_trip_and_runner_cache(fp8_checkpoints, tokenizer, c
 
 
 def test_bad_fp8_input_is_rejected(tiny_llama, tmp_path):
-    with pytest.raises(RecipeError, match="for FP8 schemes use `algorithm: fp8`"):
+    with pytest.raises(RecipeError, match="'rtn' does not quantize FP8 schemes; algorithms that do: .*fp8.*gptq"):
         load_recipe("rtn-w4a16", ["stages.0.scheme=FP8_DYNAMIC"])
-    with pytest.raises(RecipeError, match="quantizes FP8 schemes only"):
+    with pytest.raises(RecipeError, match="'fp8' does not quantize int schemes; algorithms that do: .*gptq.*rtn"):
         load_recipe("fp8-dynamic", ["stages.0.scheme=W4A16"])
+    with pytest.raises(RecipeError, match="'fp8' has no column order"):
+        load_recipe("fp8-dynamic", ["stages.0.scheme.actorder=static"])
     with pytest.raises(ValueError, match="strategy tensor, channel or block"):
         QuantScheme(num_bits=8, type="float", strategy="group", group_size=None)
     with pytest.raises(ValueError, match="activation quantization is FP8 only"):

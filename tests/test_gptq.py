@@ -1,4 +1,5 @@
-"""GPTQ solver and plugin: beats RTN on the Hessian-weighted error, act-order, determinism, dampening."""
+"""GPTQ solver and plugin: beats RTN on the Hessian-weighted error (int and FP8 grids), act-order,
+determinism, dampening."""
 
 import logging
 
@@ -7,7 +8,8 @@ import torch
 
 import quantkit
 from quantkit.algorithms.gptq import GPTQ, GPTQConfig
-from quantkit.quant.gptq import HessianError, gptq_quantize, hessian_error, inverse_hessian_factor
+from quantkit.quant.fp8 import expanded_scale, quantize_weight
+from quantkit.quant.gptq import HessianError, gptq_quantize, gptq_quantize_fp8, hessian_error, inverse_hessian_factor
 from quantkit.quant.hessian import HessianAccumulator
 from quantkit.quant.intq import quantize, rtn
 from quantkit.schemes import QuantScheme
@@ -45,6 +47,44 @@ def test_hessian_weighted_error_below_rtn(scheme):
     gptq_err = hessian_error(W, qw.dequantize(), H)
     rtn_err = hessian_error(W, rtn(W, scheme, torch.bfloat16).dequantize(), H)
     assert gptq_err < 0.85 * rtn_err
+
+
+@pytest.mark.parametrize("strategy,block", [("channel", None), ("tensor", None), ("block", (16, 32))])
+def test_fp8_codes_beat_nearest_on_the_hessian_weighted_error(strategy, block):
+    """On the nearest rounding's scales, GPTQ's e4m3 codes cut the Hessian-weighted error (measured
+    here: 0.76-0.77 of nearest's in order, 0.39-0.40 with act-order on this uneven Hessian)."""
+    W, H = _problem()
+    nearest = quantize_weight(W, strategy, torch.bfloat16, block)
+    scale = expanded_scale(nearest)
+    nearest_err = hessian_error(W, nearest.dequantize(), H)
+    for actorder, bound in ((False, 0.85), (True, 0.5)):
+        codes, dead = gptq_quantize_fp8(W, H, scale, block_size=32, actorder=actorder)
+        assert codes.dtype == torch.float8_e4m3fn and codes.shape == W.shape and dead == 0
+        assert hessian_error(W, codes.float() * scale, H) < bound * nearest_err
+
+
+def test_fp8_codes_with_uncorrelated_inputs_are_the_nearest_ones():
+    """A diagonal Hessian gives GPTQ nothing to compensate through: every code is the nearest."""
+    W, _ = _problem()
+    H = torch.diag(torch.linspace(0.5, 2.0, W.shape[1]))
+    nearest = quantize_weight(W, "channel", torch.bfloat16)
+    codes, _ = gptq_quantize_fp8(W, H, expanded_scale(nearest), block_size=32, actorder=True)
+    assert torch.equal(codes.view(torch.uint8), nearest.q.view(torch.uint8))
+
+
+def test_fp8_compensation_saturates_at_448():
+    """Column 0 rounds 431 -> 416; column 1 sees a quarter of column 0's input, so GPTQ pushes about
+    4 x 15 onto it: 448 becomes ~510, which must saturate to 448 (never NaN); pushed down from -448
+    it lands in range (-384)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 1, generator=g)
+    X = torch.cat([x, 0.25 * x + 0.01 * torch.randn(4096, 1, generator=g)], 1)
+    H = X.t() @ X / 4096
+    W = torch.tensor([[431.0 / 448, 1.0], [431.0 / 448, -1.0]])
+    nearest = quantize_weight(W, "channel", torch.float32)
+    assert nearest.q.float().tolist() == [[416.0, 448.0], [416.0, -448.0]]
+    codes, _ = gptq_quantize_fp8(W, H, expanded_scale(nearest))
+    assert codes.float().tolist() == [[416.0, 448.0], [416.0, -384.0]]
 
 
 def test_actorder_helps_on_uneven_hessian():
@@ -131,13 +171,18 @@ def test_inverse_hessian_factor_is_the_upper_cholesky_of_the_inverse():
     torch.testing.assert_close(U.t() @ U @ damped, torch.eye(96), atol=2e-4, rtol=0)
 
 
-@pytest.mark.parametrize("recipe", ["gptq-w4a16", "gptq-w4a16-asym", "gptq-w8a16"])
-def test_pipeline_gptq_round_trip_and_shared_hessians(recipe, tiny_models, tokenizer, tmp_path):
+@pytest.mark.parametrize("recipe,overrides", [
+    ("gptq-w4a16", ["stages.0.scheme.group_size=32"]),
+    ("gptq-w4a16-asym", ["stages.0.scheme.group_size=32"]),
+    ("gptq-w8a16", []),
+    ("gptq-fp8-dynamic", []),
+    ("gptq-fp8-dynamic", ["stages.0.scheme=FP8"]),  # per-tensor weights, static input scales
+])
+def test_pipeline_gptq_round_trip_and_shared_hessians(recipe, overrides, tiny_models, tokenizer, tmp_path):
     from quantkit.export import export_checkpoint
     from quantkit.formats.compressed_tensors import build_quantization_config
 
     src = tiny_models["qwen3"]
-    overrides = [] if recipe == "gptq-w8a16" else ["stages.0.scheme.group_size=32"]
     batches = [sample_ids(tokenizer, 2, 24), sample_ids(tokenizer, 2, 24)]
     model, _, result, storage, rec = quantize_in_memory(src, recipe, overrides, batches)
     rows = {r["name"]: r for r in result.layers}

@@ -57,7 +57,8 @@ class Algorithm(ABC):
     needs_calibration: ClassVar[bool] = False
     produces_weights: ClassVar[bool] = True  # False for transforms that only rewrite float weights
     supports_actorder: ClassVar[bool] = False  # may the scheme say actorder: static
-    supports_fp8: ClassVar[bool] = False  # quantizes FP8 schemes (and only those) instead of int ones
+    supports_int: ClassVar[bool] = True  # quantizes int schemes
+    supports_fp8: ClassVar[bool] = False  # quantizes FP8 (e4m3) schemes
 
     def __init__(self, config: AlgorithmConfig, scheme: Optional[QuantScheme]):
         self.config = config

@@ -16,7 +16,7 @@ from torch import nn
 
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.errors import QuantizationError
-from quantkit.quant.fp8 import Fp8Weight, mse_scale, quantize_weight, scale_from_absmax
+from quantkit.quant.fp8 import Fp8Weight, InputScaleObserver, quantize_weight
 from quantkit.registry import ALGORITHMS
 
 
@@ -29,6 +29,7 @@ class FP8Config(AlgorithmConfig):
 class FP8(Algorithm):
     name = "fp8"
     Config = FP8Config
+    supports_int = False
     supports_fp8 = True
     config: FP8Config
 
@@ -36,44 +37,57 @@ class FP8(Algorithm):
         super().__init__(config, scheme)
         if scheme is None or not scheme.is_fp8:
             raise QuantizationError("the fp8 stage needs an FP8 scheme: FP8_DYNAMIC, FP8, FP8_BLOCK or FP8_WEIGHT")
-        acts = scheme.input_activations
-        self.static = acts is not None and not acts.dynamic
+        self.static = scheme.has_static_input
         self.needs_calibration = self.static  # dynamic or weight-only: no calibration data at all
-        self._absmax: dict[str, torch.Tensor] = {}
-        self._samples: dict[str, list[torch.Tensor]] = {}
-        self._gen = torch.Generator().manual_seed(config.seed)
+        self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed)
 
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
-        self._absmax.clear()
-        self._samples.clear()
+        self._inputs.clear()
 
     def observe(self, name: str, x: torch.Tensor) -> None:
-        x = x.detach().float().reshape(-1)
-        m = x.abs().amax()
-        self._absmax[name] = torch.maximum(self._absmax[name], m) if name in self._absmax else m
-        if self.scheme.input_activations.observer == "mse":
-            keep = min(x.numel(), self.config.mse_samples)
-            idx = torch.randint(0, x.numel(), (keep,), generator=self._gen)
-            self._samples.setdefault(name, []).append(x[idx])
+        self._inputs.add(name, x)
 
     def quantize_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]],
                        scale_dtype: torch.dtype) -> dict[str, Fp8Weight]:
         out = {}
-        block = self.scheme.block_structure
         for name, lin in linears.items():
-            qw = quantize_weight(lin.weight.data, self.scheme.strategy, scale_dtype, block, self.scheme.observer)
-            qw.scheme = self.scheme
+            qw = nearest_fp8(lin.weight.data, self.scheme, scale_dtype)
             if self.static:
-                if name not in self._absmax:
-                    raise QuantizationError(f"{name}: no calibration input was observed for its static activation scale")
-                absmax = self._absmax[name]
-                if self.scheme.input_activations.observer == "mse":
-                    samples = torch.cat(self._samples[name])
-                    if samples.numel() > self.config.mse_samples:  # an even subsample of every batch's sample
-                        samples = samples[torch.randperm(samples.numel(), generator=self._gen)[: self.config.mse_samples]]
-                    qw.input_scale = mse_scale(torch.cat([samples, absmax.reshape(1)]), float(absmax), scale_dtype)
-                else:
-                    qw.input_scale = scale_from_absmax(absmax.reshape(1), scale_dtype)
+                qw.input_scale = self._inputs.scale(name, scale_dtype)
                 self.report[name] = {"input_scale": float(qw.input_scale)}
             out[name] = qw
         return out
+
+
+def nearest_fp8(weight: torch.Tensor, scheme, scale_dtype: torch.dtype) -> Fp8Weight:
+    """The scheme's FP8 weight by nearest rounding (scales from its observer)."""
+    qw = quantize_weight(weight, scheme.strategy, scale_dtype, scheme.block_structure, scheme.observer)
+    qw.scheme = scheme
+    return qw
+
+
+class StaticInputScales:
+    """Per-linear static activation scales for an FP8 scheme with a static `input_activations`
+    (observer from the scheme); a stage keeps one and feeds it the inputs it observes."""
+
+    def __init__(self, scheme, samples: int, seed: int):
+        acts = scheme.input_activations
+        self._observer = acts.observer if scheme.has_static_input else None
+        self._samples = samples
+        self._gen = torch.Generator().manual_seed(seed)
+        self._by_name: dict[str, InputScaleObserver] = {}
+
+    def clear(self) -> None:
+        self._by_name.clear()
+
+    def add(self, name: str, x: torch.Tensor) -> None:
+        if self._observer is None:
+            return
+        if name not in self._by_name:
+            self._by_name[name] = InputScaleObserver(self._observer, self._samples, self._gen)
+        self._by_name[name].add(x)
+
+    def scale(self, name: str, scale_dtype: torch.dtype) -> torch.Tensor:
+        if name not in self._by_name:
+            raise QuantizationError(f"{name}: no calibration input was observed for its static activation scale")
+        return self._by_name[name].scale(scale_dtype)

@@ -1,16 +1,24 @@
 """GPTQ as a pipeline stage: Hessians from calibration inputs (shared by linears that read the same
-input), the solver in `quantkit.quant.gptq`, dampening escalation and a loud RTN last resort."""
+input), the solver in `quantkit.quant.gptq`, dampening escalation and a loud RTN last resort.
+
+Int schemes get their min/max scales from the solver; FP8 schemes keep the scales of the nearest
+rounding (`fp8` stage, same observer) and GPTQ chooses the e4m3 codes on them, so the checkpoint
+layout is the `fp8` stage's; a static activation scale comes from the same calibration inputs.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from pydantic import Field
 from torch import nn
 
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
-from quantkit.quant.gptq import HessianError, gptq_quantize, hessian_error
+from quantkit.algorithms.fp8 import StaticInputScales, nearest_fp8
+from quantkit.quant.fp8 import Fp8Weight, expanded_scale
+from quantkit.quant.gptq import HessianError, gptq_quantize, gptq_quantize_fp8, hessian_error
 from quantkit.quant.hessian import HessianAccumulator
 from quantkit.quant.intq import QuantizedWeight, rtn
 from quantkit.registry import ALGORITHMS
@@ -23,6 +31,8 @@ class GPTQConfig(AlgorithmConfig):
     dampening_frac: float = Field(0.01, gt=0)  # fraction of mean(diag H) added to the diagonal
     dampening_retries: int = Field(4, ge=0)  # x10 the dampening this many times before giving up
     rtn_fallback: bool = True  # after the retries, quantize the layer with RTN (logged, recorded)
+    mse_samples: int = Field(1 << 16, ge=1024)  # FP8 static activations, observer mse: input values kept
+    seed: int = 0
 
 
 @ALGORITHMS.register("gptq")
@@ -31,22 +41,31 @@ class GPTQ(Algorithm):
     Config = GPTQConfig
     needs_calibration = True
     supports_actorder = True  # scheme.actorder "static": columns by decreasing diag(H), groups kept
+    supports_fp8 = True
     config: GPTQConfig
+
+    def __init__(self, config: GPTQConfig, scheme):
+        super().__init__(config, scheme)
+        self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed) if scheme.is_fp8 else None
 
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
         self._leader = {name: group[0] for group in groups for name in group}
         self._H: dict[str, HessianAccumulator] = {}
+        if self._inputs is not None:
+            self._inputs.clear()
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         if self._leader[name] != name:
-            return  # the group's first linear accumulates the shared Hessian
+            return  # the group's first linear accumulates the shared Hessian (and input scale)
         if name not in self._H:
             self._H[name] = HessianAccumulator(x.shape[-1])
         self._H[name].add(x)
+        if self._inputs is not None:
+            self._inputs.add(name, x)
 
     def quantize_layer(
         self, linears: dict[str, nn.Linear], groups: list[list[str]], scale_dtype: torch.dtype
-    ) -> dict[str, QuantizedWeight]:
+    ) -> dict[str, "QuantizedWeight | Fp8Weight"]:
         out = {}
         for group in groups:
             acc = self._H.get(group[0])
@@ -54,32 +73,46 @@ class GPTQ(Algorithm):
             H = acc.hessian()
             # rows are independent given H: linears sharing an input are solved as one stacked matrix
             W = torch.cat([linears[n].weight.data for n in group])  # [sum(out), in]
-            qw, solve = self._solve(", ".join(group), W, H, scale_dtype)
+            nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
+            qw, solve = self._solve(", ".join(group), W, H, scale_dtype, nearest)
             start = 0
             for name in group:
                 rows = slice(start, start + linears[name].out_features)
-                out[name] = _rows(qw, rows)
-                self.report[name] = self._metrics(linears[name].weight.data, out[name], H, scale_dtype, solve)
+                out[name] = qw[name] if isinstance(qw, dict) else _rows(qw, rows)
+                if self._inputs is not None and self.scheme.has_static_input:
+                    out[name].input_scale = self._inputs.scale(group[0], scale_dtype)
+                self.report[name] = self._metrics(linears[name].weight.data, out[name], nearest[name], H, solve)
                 start = rows.stop
         self._H = {}
         return out
 
-    def _solve(
-        self, name: str, W: torch.Tensor, H: torch.Tensor, scale_dtype: torch.dtype
-    ) -> tuple[QuantizedWeight, dict]:
-        """GPTQ with dampening escalation; returns the weight and how it was obtained."""
+    def _nearest(self, W: torch.Tensor, scale_dtype: torch.dtype) -> "QuantizedWeight | Fp8Weight":
+        """Round-to-nearest on the scheme's grid: the fallback, and the baseline of the error report."""
+        return nearest_fp8(W, self.scheme, scale_dtype) if self.scheme.is_fp8 else rtn(W, self.scheme, scale_dtype)
+
+    def _solve(self, name: str, W: torch.Tensor, H: torch.Tensor, scale_dtype: torch.dtype,
+               nearest: Optional[dict[str, Fp8Weight]] = None) -> tuple["QuantizedWeight | dict[str, Fp8Weight]", dict]:
+        """GPTQ with dampening escalation; returns the weight (FP8: per linear) and how it was obtained.
+
+        FP8 schemes need `nearest`, the nearest rounding of each stacked linear (its scales are kept)."""
         cfg = self.config
         damp = cfg.dampening_frac
+        actorder = self.scheme.actorder == "static"
         for attempt in range(cfg.dampening_retries + 1):
             try:
-                res = gptq_quantize(W, H, self.scheme, scale_dtype, cfg.block_size, damp,
-                                    actorder=self.scheme.actorder == "static")
-                if not torch.isfinite(res.weight.scale.float()).all():
-                    raise HessianError("non-finite scales")
+                if self.scheme.is_fp8:
+                    scale = torch.cat([expanded_scale(qw) for qw in nearest.values()])
+                    codes, dead = gptq_quantize_fp8(W, H, scale, cfg.block_size, damp, actorder)
+                    weight = _fp8_rows(codes, nearest)
+                else:
+                    res = gptq_quantize(W, H, self.scheme, scale_dtype, cfg.block_size, damp, actorder)
+                    if not torch.isfinite(res.weight.scale.float()).all():
+                        raise HessianError("non-finite scales")
+                    weight, dead = res.weight, res.dead_columns
                 info = {"dampening_frac": damp}
-                if res.dead_columns:
-                    info["dead_columns"] = res.dead_columns
-                return res.weight, info
+                if dead:
+                    info["dead_columns"] = dead
+                return weight, info
             except HessianError as exc:
                 if attempt == cfg.dampening_retries:
                     break
@@ -89,16 +122,27 @@ class GPTQ(Algorithm):
             raise HessianError(f"GPTQ failed on {name} even with dampening_frac {damp:.3g}; "
                                "set stages.N.args.dampening_frac higher or allow rtn_fallback")
         log.error("GPTQ %s: numerically unsolvable even with dampening_frac %.3g: FALLING BACK TO RTN", name, damp)
-        return rtn(W, self.scheme, scale_dtype), {"fallback": "rtn", "dampening_frac": damp}
+        fallback = nearest if self.scheme.is_fp8 else rtn(W, self.scheme, scale_dtype)
+        return fallback, {"fallback": "rtn", "dampening_frac": damp}
 
-    def _metrics(self, W: torch.Tensor, qw: QuantizedWeight, H: torch.Tensor, scale_dtype, solve: dict) -> dict:
-        """Hessian-weighted error of the result, and relative to RTN's on the same weight."""
+    def _metrics(self, W: torch.Tensor, qw, nearest, H: torch.Tensor, solve: dict) -> dict:
+        """Hessian-weighted error of the result, and relative to round-to-nearest's on the same weight."""
         if solve.get("fallback"):
             return solve
         gptq_err = hessian_error(W, qw.dequantize(), H)
-        rtn_err = hessian_error(W, rtn(W, self.scheme, scale_dtype).dequantize(), H)
+        rtn_err = hessian_error(W, nearest.dequantize(), H)
         ratio = round(gptq_err / rtn_err, 4) if rtn_err > 0 else None
         return {"hessian_error": gptq_err, "hessian_error_vs_rtn": ratio, **solve}
+
+
+def _fp8_rows(codes: torch.Tensor, nearest: dict[str, Fp8Weight]) -> dict[str, Fp8Weight]:
+    """Split stacked e4m3 codes back into each linear's weight, with that linear's own scales."""
+    out, start = {}, 0
+    for name, qw in nearest.items():
+        rows = qw.q.shape[0]
+        out[name] = Fp8Weight(codes[start : start + rows].contiguous(), qw.scale, qw.strategy, qw.block, qw.scheme)
+        start += rows
+    return out
 
 
 def _rows(qw: QuantizedWeight, rows: slice) -> QuantizedWeight:

@@ -120,6 +120,45 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, strategy: str, block
     return (q.float() * s).to(dtype)
 
 
+class InputScaleObserver:
+    """Accumulates one linear's calibration inputs for its static per-tensor activation scale:
+    the running absmax (observer `minmax`: absmax / 448) and, for `mse`, an even random sample of
+    `samples` input values per batch (the scale is then `mse_scale` over the sample and the absmax)."""
+
+    def __init__(self, observer: str, samples: int, generator: torch.Generator):
+        if observer not in ("minmax", "mse"):
+            raise ValueError(f"unknown activation observer {observer!r}; use minmax or mse")
+        self.observer, self.samples, self._gen = observer, samples, generator
+        self.absmax: Optional[torch.Tensor] = None
+        self._kept: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().float().reshape(-1)
+        m = x.abs().amax()
+        self.absmax = m if self.absmax is None else torch.maximum(self.absmax, m)
+        if self.observer == "mse":
+            idx = torch.randint(0, x.numel(), (min(x.numel(), self.samples),), generator=self._gen)
+            self._kept.append(x[idx])
+
+    def scale(self, scale_dtype: torch.dtype) -> torch.Tensor:
+        """The static input scale [1]."""
+        if self.absmax is None:
+            raise ValueError("no input was observed")
+        if self.observer == "minmax":
+            return scale_from_absmax(self.absmax.reshape(1), scale_dtype)
+        kept = torch.cat(self._kept)
+        if kept.numel() > self.samples:  # an even subsample of every batch's sample
+            kept = kept[torch.randperm(kept.numel(), generator=self._gen)[: self.samples]]
+        return mse_scale(torch.cat([kept, self.absmax.reshape(1)]), float(self.absmax), scale_dtype)
+
+
+def expanded_scale(qw: "Fp8Weight") -> torch.Tensor:
+    """qw's scale broadcast to one value per weight element [out, in] (float32)."""
+    if qw.strategy == "block":
+        return _expand_block_scale(qw.scale, qw.block, qw.q.shape)
+    return qw.scale.float().expand(qw.q.shape)
+
+
 def mse_scale(samples: torch.Tensor, absmax: float, scale_dtype: torch.dtype, grid: int = 40,
               max_shrink: float = 0.6) -> torch.Tensor:
     """The static scale absmax * f / 448, f in (1 - max_shrink, 1], whose quantize-dequantize

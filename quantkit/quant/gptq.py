@@ -1,7 +1,10 @@
 """GPTQ solver (Frantar et al., 2022): quantize W column by column, pushing each column's rounding
 error onto the columns not yet quantized through the inverse Hessian H = 2/n sum x x^T.
 
-Pure function of (W, H, scheme): no modules, no hooks. Symbols follow the paper: W, H, Hinv, Q.
+Pure functions of (W, H, scheme): no modules, no hooks. Symbols follow the paper: W, H, Hinv, Q.
+The grid is an int scheme's (`gptq_quantize`: scales min/max per group, fixed up front or as each
+group is reached) or e4m3 on given scales (`gptq_quantize_fp8`: the scales of the nearest
+rounding, fixed up front; each column is rounded to nearest e4m3 of w / s, saturating).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.quant.fp8 import FP8_DTYPE, FP8_MAX
 from quantkit.quant.intq import QuantizedWeight, compute_qparams, minmax_qparams
 from quantkit.schemes import QuantScheme
 
@@ -66,13 +70,8 @@ def gptq_quantize(
     scales are fixed beforehand per contiguous group of the original order ("static" groups),
     so the checkpoint needs no g_idx.
     """
-    W = W.detach().float().clone()  # [out, in]
-    H = H.detach().float().clone()  # [in, in]
+    W, H, dead = _prepare(W, H)
     out_f, n = W.shape
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-
     static = actorder or scheme.strategy == "channel"
     if static:
         scale, zp = minmax_qparams(W, scheme, scale_dtype)  # [out, groups]
@@ -81,53 +80,114 @@ def gptq_quantize(
         scale = torch.empty(out_f, groups, dtype=scale_dtype)
         zp = None if scheme.symmetric else torch.empty(out_f, groups, dtype=torch.int8)
 
-    perm = torch.argsort(torch.diag(H), descending=True) if actorder else torch.arange(n)
+    perm = _order(H, actorder)
     W, H = W[:, perm], H[perm][:, perm]
     Hinv = inverse_hessian_factor(H, dampening_frac)
     gsize = n if scheme.strategy == "channel" else scheme.group_size
     if not static:  # keep groups inside one lazy block so their columns are up to date
         block_size = math.ceil(block_size / gsize) * gsize
     group_of = perm // gsize  # [in] group index of each permuted column
+    if static:  # per-column scales gathered up front: [in, out]
+        s_cols = scale.float().t()[group_of].contiguous()
+        z_cols = zp.float().t()[group_of].contiguous() if zp is not None else torch.zeros_like(s_cols)
+    else:  # filled group by group, as each group's first column is reached
+        s_cols, z_cols = torch.empty(n, out_f), torch.zeros(n, out_f)
 
-    # The column loop is the solver's hot path: it works on transposed blocks ([B, out], so one
-    # column is one contiguous row) with per-column scales gathered up front when they are static.
-    Qt = torch.empty(n, out_f, dtype=torch.float32)  # codes, transposed
-    if static:
-        s_cols = scale.float().t()[group_of]  # [in, out] scale of every (permuted) column
-        z_cols = zp.float().t()[group_of] if zp is not None else torch.zeros_like(s_cols)
+    def round_column(j: int, W1: torch.Tensor, i: int, q: torch.Tensor, deq: torch.Tensor) -> None:
+        if not static and j % gsize == 0:
+            _group_qparams(W1[i : i + gsize], int(group_of[j]), scheme, scale_dtype, scale, zp,
+                           s_cols[j : j + gsize], z_cols[j : j + gsize])
+        w, s = W1[i], s_cols[j]
+        torch.div(w, s, out=q)
+        if scheme.symmetric:
+            q.round_().clamp_(scheme.qmin, scheme.qmax)
+            torch.mul(q, s, out=deq)
+        else:
+            z = z_cols[j]
+            q.add_(z).round_().clamp_(scheme.qmin, scheme.qmax)
+            torch.sub(q, z, out=deq).mul_(s)
+
+    Qt = _solve_columns(W, Hinv, block_size, round_column)
+    Q = Qt[torch.argsort(perm)].t().to(torch.int8).contiguous()  # [out, in] in the original column order
+    return GPTQResult(QuantizedWeight(Q, scale, zp, scheme), int(dead.sum()))
+
+
+def gptq_quantize_fp8(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: int = 128,
+    dampening_frac: float = 0.01,
+    actorder: bool = False,
+) -> tuple[torch.Tensor, int]:
+    """e4m3 codes [out, in] of W [out, in] on the fixed per-element scales `scale` [out, in] (a
+    per-tensor, per-channel or per-block scale expanded to W's shape), and the count of dead columns.
+
+    Dequantized value = code x scale, as in `quantkit.quant.fp8`. The scales stay those given (the
+    nearest rounding's), so the codes can replace the nearest codes in the same checkpoint layout.
+    """
+    W, H, dead = _prepare(W, H)
+    out_f, n = W.shape
+    if scale.shape != W.shape:
+        raise ValueError(f"scale must be expanded to the weight's shape {tuple(W.shape)}, got {tuple(scale.shape)}")
+    perm = _order(H, actorder)
+    W, H = W[:, perm], H[perm][:, perm]
+    Hinv = inverse_hessian_factor(H, dampening_frac)
+    s_cols = scale.float()[:, perm].t().contiguous()  # [in, out]: the scales of each (permuted) column
+
+    def round_column(j: int, W1: torch.Tensor, i: int, q: torch.Tensor, deq: torch.Tensor) -> None:
+        s = s_cols[j]
+        torch.div(W1[i], s, out=q)
+        q.copy_(q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))  # nearest e4m3, saturating (exact in float32)
+        torch.mul(q, s, out=deq)
+
+    Qt = _solve_columns(W, Hinv, block_size, round_column)
+    codes = Qt[torch.argsort(perm)].t().contiguous().to(FP8_DTYPE)  # [out, in], original column order
+    return codes, int(dead.sum())
+
+
+def _solve_columns(W: torch.Tensor, Hinv: torch.Tensor, block_size: int, round_column) -> torch.Tensor:
+    """The GPTQ column loop over W [out, in] (already in visiting order; updated in place).
+
+    round_column(j, W1, i, q, deq) rounds column j (row i of the current transposed block W1),
+    writing its codes into q and its dequantized values into deq. Each column's error, scaled by
+    1 / Hinv[j, j], is pushed onto the block's later columns at once and onto the columns after the
+    block in one matrix product per block ("lazy batch updates"). Returns the codes transposed [in, out].
+
+    This is the solver's hot path: it works on transposed blocks ([B, out], so one column is one
+    contiguous row) and writes into preallocated rows (it runs once per input column).
+    """
+    out_f, n = W.shape
+    Qt = torch.empty(n, out_f, dtype=torch.float32)
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
         W1 = W[:, i1:i2].t().contiguous()  # [B, out] block being quantized, updated in place
         Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
-        if static:
-            s_blk, z_blk = s_cols[i1:i2], z_cols[i1:i2]
-        else:  # filled group by group below, as each group's first column is reached
-            s_blk, z_blk = torch.empty_like(W1), torch.zeros_like(W1)
         neg_inv_d = (-1.0 / torch.diagonal(Hinv1)).tolist()
-        Q1 = Qt[i1:i2]
-        # one column per step, written into preallocated rows (the loop runs once per input column)
         for i in range(i2 - i1):
-            if not static and (i1 + i) % gsize == 0:
-                _group_qparams(W1[i : i + gsize], int(group_of[i1 + i]), scheme, scale_dtype, scale, zp,
-                               s_blk[i : i + gsize], z_blk[i : i + gsize])
-            w, s, q, err = W1[i], s_blk[i], Q1[i], Err1[i]
-            torch.div(w, s, out=q)
-            if scheme.symmetric:
-                q.round_().clamp_(scheme.qmin, scheme.qmax)
-                torch.mul(q, s, out=err)
-            else:
-                z = z_blk[i]
-                q.add_(z).round_().clamp_(scheme.qmin, scheme.qmax)
-                torch.sub(q, z, out=err).mul_(s)
-            err.sub_(w).mul_(neg_inv_d[i])  # (w - dequant(q)) / Hinv[i, i]
+            err = Err1[i]
+            round_column(i1 + i, W1, i, Qt[i1 + i], err)
+            err.sub_(W1[i]).mul_(neg_inv_d[i])  # (w - dequant(q)) / Hinv[i, i]
             if i + 1 < i2 - i1:
                 W1[i + 1 :].addr_(Hinv1[i, i + 1 :], err, alpha=-1.0)  # W1[j] -= Hinv1[i, j] * err
         W[:, i2:] -= Err1.t() @ Hinv[i1:i2, i2:]  # lazy batch update of the remaining columns
+    return Qt
 
-    inv = torch.argsort(perm)
-    Q = Qt[inv].t().to(torch.int8).contiguous()  # [out, in] in the original column order
-    return GPTQResult(QuantizedWeight(Q, scale, zp, scheme), int(dead.sum()))
+
+def _prepare(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 working copies; columns whose input was always zero are zeroed (H's diagonal set to 1)."""
+    W = W.detach().float().clone()  # [out, in]
+    H = H.detach().float().clone()  # [in, in]
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    return W, H, dead
+
+
+def _order(H: torch.Tensor, actorder: bool) -> torch.Tensor:
+    """Column visiting order: by decreasing diag(H) with act-order, else left to right."""
+    return torch.argsort(torch.diag(H), descending=True) if actorder else torch.arange(H.shape[0])
 
 
 def _group_qparams(cols, g, scheme, scale_dtype, scale, zp, s_out, z_out) -> None:
