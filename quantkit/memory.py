@@ -1,4 +1,5 @@
-"""Give freed heap memory back to the operating system between pipeline layers.
+"""Memory of the process: give freed heap memory back to the operating system between pipeline
+layers, and read how much the machine has available.
 
 The layer-by-layer pipeline frees and reallocates tens of MB of tensors per layer; glibc's
 allocator keeps much of it (fragmented arenas, a raised mmap threshold), so resident memory
@@ -12,6 +13,7 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+from typing import Optional
 
 
 @functools.cache
@@ -32,3 +34,15 @@ def release_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def available_memory() -> Optional[int]:
+    """Bytes the kernel reports as available for new allocations (MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        return None
+    return None

@@ -272,6 +272,60 @@ def test_static_activation_quantization_changes_outputs_as_emulated():
     torch.testing.assert_close(mod(x), expected, rtol=0, atol=1e-6)
 
 
+def test_emulated_fp8_linear_keeps_its_dense_weight_exactly():
+    """keep_dense changes no bit of the output, and a changed weight (in place), scale or dtype
+    is never served from a stale copy."""
+    g = torch.Generator().manual_seed(0)
+    scheme = resolve_scheme("FP8_DYNAMIC", {})
+    qw = quantize_weight(torch.randn(48, 64, generator=g), "channel", torch.float32)
+    qw.scheme = scheme
+    mod, ref = Fp8Linear.from_quantized(qw, None), Fp8Linear.from_quantized(qw, None)
+    x = torch.randn(3, 64, generator=g)
+    expected = ref(x)
+    mod.keep_dense = True
+    assert torch.equal(mod(x), expected)
+    kept = mod._dense[1]
+    assert torch.equal(mod(x), expected) and mod._dense[1] is kept  # reused, not rebuilt
+    other = quantize_weight(torch.randn(48, 64, generator=g), "channel", torch.float32)
+    for m in (mod, ref):
+        m.weight.copy_(other.q)
+    assert torch.equal(mod(x), ref(x)) and not torch.equal(mod(x), expected)
+    for m in (mod, ref):
+        m.weight_scale.mul_(2)
+    assert torch.equal(mod(x), ref(x))
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(mod(xb), ref(xb)) and mod._dense[1].dtype == torch.bfloat16
+
+
+def test_dense_fp8_weights_are_kept_where_memory_allows(fp8_checkpoints, monkeypatch, caplog):
+    from quantkit.errors import KernelError
+    from quantkit.runtime import fp8linear
+
+    def kept(model):
+        flags = {m.keep_dense for m in model.modules() if isinstance(m, Fp8Linear)}
+        assert len(flags) == 1
+        return flags.pop()
+
+    path = fp8_checkpoints["fp8-dynamic"]
+    model = quantkit.load(path, dtype=torch.float32)  # a tiny model: fits
+    assert kept(model)
+    need = sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear)) * 4
+    monkeypatch.setattr(fp8linear, "available_memory", lambda: 3 * need)  # needs over 30% of it
+    with caplog.at_level("WARNING"):
+        assert fp8linear.plan_dense_cache(model, torch.float32) == 0
+    assert not kept(model) and "QUANTKIT_FP8_DENSE=1" in caplog.text
+    monkeypatch.setattr(fp8linear, "available_memory", lambda: 4 * need)
+    assert fp8linear.plan_dense_cache(model, torch.float32) == need and kept(model)
+    monkeypatch.setenv("QUANTKIT_FP8_DENSE", "0")
+    assert fp8linear.plan_dense_cache(model, torch.float32) == 0 and not kept(model)
+    monkeypatch.setenv("QUANTKIT_FP8_DENSE", "1")
+    monkeypatch.setattr(fp8linear, "available_memory", lambda: None)
+    assert fp8linear.plan_dense_cache(model, torch.bfloat16) == need // 2 and kept(model)
+    monkeypatch.setenv("QUANTKIT_FP8_DENSE", "yes")
+    with pytest.raises(KernelError, match="QUANTKIT_FP8_DENSE='yes': use auto, 1"):
+        fp8linear.plan_dense_cache(model, torch.float32)
+
+
 def test_fp8_linear_triton_matches_emulation(monkeypatch):
     pytest.importorskip("triton")
     lin = torch.nn.Linear(96, 40)

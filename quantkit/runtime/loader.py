@@ -21,6 +21,7 @@ from quantkit.errors import CheckpointError
 from quantkit.formats.checkpoint import iter_tensors, read_config
 from quantkit.formats.compressed_tensors import LoadPlan, parse_quantization_config
 from quantkit.models.resolve import resolve_model
+from quantkit.runtime.fp8linear import plan_dense_cache
 from quantkit.runtime.kv_cache import attention_modules
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ def load(path: Union[str, Path, None], dtype: Optional[torch.dtype] = None) -> P
 
 def prepare_kernels(model: nn.Module, dtype: torch.dtype) -> dict[str, int]:
     """Choose each quantized linear's kernel for its device and `dtype` inputs and repack its weight
-    now rather than at the first forward. Returns how many modules use each kernel."""
+    now rather than at the first forward; let emulated FP8 layers keep dense weights where they fit
+    (`plan_dense_cache`). Returns how many int modules use each kernel."""
     counts: dict[str, int] = {}
     for module in model.modules():
         prepare = getattr(module, "prepare", None)
@@ -79,6 +81,9 @@ def prepare_kernels(model: nn.Module, dtype: torch.dtype) -> dict[str, int]:
             counts[name] = counts.get(name, 0) + 1
     if counts:
         log.info("quantized linears by kernel: %s", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    dense = plan_dense_cache(model, dtype)  # emulated FP8 layers: keep dequantized weights if they fit
+    if dense:
+        log.info("emulated FP8 layers keep dequantized weights (%.2f GB)", dense / 1e9)
     return counts
 
 
