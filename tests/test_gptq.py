@@ -177,6 +177,8 @@ def test_inverse_hessian_factor_is_the_upper_cholesky_of_the_inverse():
     ("gptq-w8a16", []),
     ("gptq-fp8-dynamic", []),
     ("gptq-fp8-dynamic", ["stages.0.scheme=FP8"]),  # per-tensor weights, static input scales
+    ("gptq-fp8-dynamic", ["stages.0.scheme=FP8", "stages.0.scheme.input_activations.observer=mse",
+                          "stages.0.args.mse_samples=1024"]),  # fewer kept than seen: subsampled
 ])
 def test_pipeline_gptq_round_trip_and_shared_hessians(recipe, overrides, tiny_models, tokenizer, tmp_path):
     from quantkit.export import export_checkpoint
@@ -187,6 +189,10 @@ def test_pipeline_gptq_round_trip_and_shared_hessians(recipe, overrides, tiny_mo
     model, _, result, storage, rec = quantize_in_memory(src, recipe, overrides, batches)
     rows = {r["name"]: r for r in result.layers}
     assert all(r["hessian_error_vs_rtn"] < 1.0 for r in rows.values()), rows
+    if "stages.0.scheme=FP8" in overrides:  # linears reading one input share one static input scale
+        attn = model.model.layers[1].self_attn
+        scales = [float(getattr(attn, f"{p}_proj").input_scale) for p in "qkv"]
+        assert scales[0] > 0 and scales[0] == scales[1] == scales[2]
     out = export_checkpoint(model, tmp_path / "q", storage_dtype=storage, source=src,
                             quantization_config=build_quantization_config(model, result.quantized))
     loaded = quantkit.load(out, dtype=torch.float32)

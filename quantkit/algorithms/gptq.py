@@ -75,12 +75,14 @@ class GPTQ(Algorithm):
             W = torch.cat([linears[n].weight.data for n in group])  # [sum(out), in]
             nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
             qw, solve = self._solve(", ".join(group), W, H, scale_dtype, nearest)
+            # one static input scale per group: its linears read the same input
+            input_scale = self._inputs.scale(group[0], scale_dtype) if self.scheme.has_static_input else None
             start = 0
             for name in group:
                 rows = slice(start, start + linears[name].out_features)
                 out[name] = qw[name] if isinstance(qw, dict) else _rows(qw, rows)
-                if self._inputs is not None and self.scheme.has_static_input:
-                    out[name].input_scale = self._inputs.scale(group[0], scale_dtype)
+                if input_scale is not None:
+                    out[name].input_scale = input_scale
                 self.report[name] = self._metrics(linears[name].weight.data, out[name], nearest[name], H, solve)
                 start = rows.stop
         self._H = {}
