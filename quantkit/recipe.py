@@ -150,10 +150,8 @@ def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
         if scheme.actorder and not algo.supports_actorder:
             raise RecipeError(f"recipe {label}: stages.{i}.scheme.actorder: algorithm {stage.algorithm!r} "
                               "has no column order; drop actorder or use gptq")
-        if algo.produces_weights and not (algo.supports_fp8 if scheme.is_fp8 else algo.supports_int):
-            able = [n for n in ALGORITHMS.names()
-                    if ALGORITHMS.get(n).produces_weights
-                    and (ALGORITHMS.get(n).supports_fp8 if scheme.is_fp8 else ALGORITHMS.get(n).supports_int)]
+        if algo.produces_weights and not algo.quantizes(scheme):
+            able = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).quantizes(scheme)]
             raise RecipeError(
                 f"recipe {label}: stages.{i}: algorithm {stage.algorithm!r} does not quantize "
                 f"{'FP8' if scheme.is_fp8 else 'int'} schemes; algorithms that do: {', '.join(able)}")

@@ -117,14 +117,13 @@ class QuantScheme(BaseModel):
         return 1 if self.strategy == "channel" else in_features // self.group_size
 
     def short(self) -> str:
+        order = " actorder" if self.actorder else ""
         if self.is_fp8:
             gran = f"block{list(self.block_structure)}" if self.strategy == "block" else self.strategy
             act = self.input_activations
             acts = "a16" if act is None else f"a8 {'dynamic per-token' if act.dynamic else f'static {act.observer}'}"
-            order = " actorder" if self.actorder else ""
             return f"fp8 {gran}{' mse' if self.observer == 'mse' else ''}{order} {acts}"
         gran = "channel" if self.strategy == "channel" else f"g{self.group_size}"
-        order = " actorder" if self.actorder else ""
         return f"int{self.num_bits} {'sym' if self.symmetric else 'asym'} {gran}{order}"
 
 

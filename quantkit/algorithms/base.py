@@ -65,6 +65,11 @@ class Algorithm(ABC):
         self.scheme = scheme
         self.report: dict[str, dict] = {}
 
+    @classmethod
+    def quantizes(cls, scheme: QuantScheme) -> bool:
+        """Whether this algorithm can quantize weights to `scheme` (int or FP8)."""
+        return cls.produces_weights and (cls.supports_fp8 if scheme.is_fp8 else cls.supports_int)
+
     def transform_layer(self, ctx: LayerContext) -> None:
         """For transforms (`produces_weights = False`): rewrite the layer's float weights in place,
         leaving its function (nearly) unchanged. Called instead of observe/quantize_layer."""

@@ -37,8 +37,7 @@ class FP8(Algorithm):
         super().__init__(config, scheme)
         if scheme is None or not scheme.is_fp8:
             raise QuantizationError("the fp8 stage needs an FP8 scheme: FP8_DYNAMIC, FP8, FP8_BLOCK or FP8_WEIGHT")
-        self.static = scheme.has_static_input
-        self.needs_calibration = self.static  # dynamic or weight-only: no calibration data at all
+        self.needs_calibration = scheme.has_static_input  # dynamic or weight-only: no calibration data at all
         self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed)
 
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
@@ -52,7 +51,7 @@ class FP8(Algorithm):
         out = {}
         for name, lin in linears.items():
             qw = nearest_fp8(lin.weight.data, self.scheme, scale_dtype)
-            if self.static:
+            if self.scheme.has_static_input:
                 qw.input_scale = self._inputs.scale(name, scale_dtype)
                 self.report[name] = {"input_scale": float(qw.input_scale)}
             out[name] = qw

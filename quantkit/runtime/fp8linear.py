@@ -50,8 +50,7 @@ class Fp8Linear(nn.Module):
             scale_shape = (-(-out_features // bn), -(-in_features // bk))
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=scale_dtype, device=device))
-        acts = scheme.input_activations
-        if acts is not None and not acts.dynamic:
+        if scheme.has_static_input:
             self.register_buffer("input_scale", torch.ones(1, dtype=scale_dtype, device=device))
         else:
             self.input_scale = None
