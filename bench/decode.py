@@ -56,7 +56,11 @@ def main() -> None:
             r = fn()
             if run:
                 results[name].append(r)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; prompt {args.prompt!r} ({len(ids)} tokens), "
+    from quantkit import compute
+
+    print(compute.machine_summary())
+    print("; ".join(dict.fromkeys(f"{n}: {m.quantkit_compute.describe()}" for n, m in models.items())))
+    print(f"prompt {args.prompt!r} ({len(ids)} tokens), "
           f"{args.max_new_tokens} new tokens, greedy, median of {args.runs} alternating runs")
     print("| setup | decode tok/s | vs first row | TTFT ms | tokens | draft acceptance |")
     print("| --- | --- | --- | --- | --- | --- |")

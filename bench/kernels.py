@@ -1,4 +1,4 @@
-"""Quantized matmul kernels against torch bf16 matmul, on the linear shapes of Llama-3-8B and Qwen3-4B.
+"""Quantized matmul kernels against torch's 16-bit (or float32) matmul, on the linear shapes of Llama-3-8B and Qwen3-4B.
 
 Usage: python bench/kernels.py [--device cpu|cuda] [--m 1,16,64,256,2048] [--shapes square,llama3-8b,qwen3-4b]
                                [--peak-gbps X] [--budget 0.3]
@@ -74,26 +74,28 @@ def row(cells: list) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def bench_cpu(shapes, ms, budget):
+def bench_cpu(shapes, ms, budget, dt):
     import os
 
     from quantkit.kernels import cpu_int4
     from quantkit.runtime.qlinear import PackedIntLinear
 
-    print(row(["model", "linear", "N x K", "M", "kernel", "us", "TFLOPS", "GB/s", "bf16 us", "speedup vs bf16",
-               "bf16 mv us", "speedup vs bf16 mv"]))
+    d = str(dt).removeprefix("torch.")
+    print(row(["model", "linear", "N x K", "M", "kernel", "us", "TFLOPS", "GB/s", f"{d} us", f"speedup vs {d}",
+               f"{d} mv us", f"speedup vs {d} mv"]))
     print(row(["---"] * 12))
     dev = torch.device("cpu")
     for model, linear, n, k in shapes:
         qw = int4_weight(n, k, dev)
-        packed = cpu_int4.repack(qw.q, qw.scale, None, GROUP, torch.bfloat16)
+        packed = cpu_int4.repack(qw.q, qw.scale, None, GROUP, dt)
         module = PackedIntLinear.from_quantized(qw, None)
-        w_bf16 = qw.dequantize(torch.bfloat16)
+        w_bf16 = qw.dequantize(dt)  # the dense baseline, in the compute dtype
         weight_bytes = n * k // 2 + qw.scale.numel() * 2
+        act = dt.itemsize
         for m in ms:
-            x = torch.randn(m, k, dtype=torch.bfloat16)
+            x = torch.randn(m, k, dtype=dt)
             t_bf16 = timed(lambda: torch.nn.functional.linear(x, w_bf16), dev, budget)
-            # one token: torch.mv is this CPU's fastest bf16 GEMV (F.linear is up to ~2x slower): the stricter baseline
+            # one token: torch.mv is this CPU's fastest 16-bit GEMV (F.linear is up to ~2x slower): the stricter baseline
             t_mv = timed(lambda: torch.mv(w_bf16, x.view(-1)), dev, budget) if m == 1 else None
             runs = [("int4 op", lambda: packed.matmul(x)), ("PackedIntLinear (auto)", lambda: module(x))]
             if m == 1:
@@ -101,7 +103,7 @@ def bench_cpu(shapes, ms, budget):
             for name, fn in runs:
                 os.environ["QUANTKIT_KERNEL"] = "torch" if "torch path" in name else "auto"
                 t = timed(fn, dev, budget)
-                moved = weight_bytes + 2 * m * (k + n)
+                moved = weight_bytes + act * m * (k + n)
                 print(row([model, linear, f"{n} x {k}", m, name, f"{t * 1e6:.0f}", f"{2 * m * n * k / t / 1e12:.3f}",
                            f"{moved / t / 1e9:.1f}", f"{t_bf16 * 1e6:.0f}", f"{t_bf16 / t:.2f}x",
                            "-" if t_mv is None else f"{t_mv * 1e6:.0f}", "-" if t_mv is None else f"{t_mv / t:.2f}x"]))
@@ -150,14 +152,21 @@ def main() -> None:
     parser.add_argument("--shapes", default="square,llama3-8b,qwen3-4b")
     parser.add_argument("--peak-gbps", type=float, default=None, help="device peak memory bandwidth (default: known GPUs)")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds of repeated runs per figure")
+    parser.add_argument("--dtype", default="auto", help="CPU activation dtype: auto (the machine's fast dtype for a "
+                                                        "bf16 checkpoint, `quantkit.compute`), bfloat16, float32")
     args = parser.parse_args()
     ms = [int(v) for v in args.m.split(",")]
     shapes = [(model, *s) for model in args.shapes.split(",") for s in SHAPES[model]]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, group size {GROUP}, bf16 activations")
+    from quantkit import compute
+
+    print(compute.machine_summary())
     if args.device == "cuda":
+        print(f"group size {GROUP}, bf16 activations")
         bench_cuda(shapes, ms, args.budget, peak_bandwidth(torch.device("cuda"), args.peak_gbps))
     else:
-        bench_cpu(shapes, ms, args.budget)
+        choice = compute.choose(torch.bfloat16, "cpu", args.dtype, "--dtype")
+        print(f"group size {GROUP}; {choice.describe()}")
+        bench_cpu(shapes, ms, args.budget, choice.dtype)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,11 @@ def main() -> None:
         fp8kv = args.kv_cache_dtype == "fp8"
         base_kv1 = evaluate_one(source, text, args.seq_len, args.windows, False, "fp8") if fp8kv else None
         quant = evaluate_one(str(report.output), text, args.seq_len, args.windows, False, "fp8" if fp8kv else None)
+    from quantkit import compute
+
+    print(compute.machine_summary())
     print(f"model {args.model}  recipe {recipe.name}  overrides {' '.join(args.overrides) or '-'}")
+    print(f"quantize: {report.compute.describe()}; perplexity in float32 (the protocol)")
     print(f"quantize wall time      {wall:8.1f} s   (pipeline {report.result.seconds:.1f} s)")
     for phase, seconds in report.result.timings.items():
         print(f"  {phase:<40} {seconds:7.1f} s")

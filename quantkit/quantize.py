@@ -8,11 +8,12 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from quantkit import __version__
+from quantkit import compute
 from quantkit.arch.adapter import adapter_for
 from quantkit.atomic import check_output_free
 from quantkit.calibration.data import load_text, make_chunks, tokenize
@@ -28,19 +29,13 @@ from quantkit.runtime.loader import checkpoint_dtype, load, load_tokenizer
 log = logging.getLogger(__name__)
 
 
-def compute_dtype(setting: str, storage: torch.dtype) -> torch.dtype:
-    """The dtype the model is loaded in for quantization (weights are exact in their own dtype)."""
-    if setting != "auto":
-        return getattr(torch, setting)
-    return torch.bfloat16 if storage == torch.float16 else storage  # fp16 matmuls are slow on CPU
-
-
 @dataclass
 class QuantizeReport:
     output: Path
     source: Path
     result: QuantizationResult
     seconds: float
+    compute: compute.ComputeChoice
 
 
 def default_output(source: Path, recipe: Recipe) -> Path:
@@ -62,7 +57,10 @@ def quantize(
     output: Optional[Path] = None,
     overwrite: bool = False,
     progress: bool = True,
+    notify: Callable[[str], None] = log.info,
 ) -> QuantizeReport:
+    """Quantize a checkpoint with `recipe` and write the result to `output`; `notify` gets the
+    one-line messages a user should see (the compute dtype chosen)."""
     start = time.perf_counter()
     source = resolve_model(model_spec)
     out = Path(output) if output else default_output(source, recipe)
@@ -73,7 +71,9 @@ def quantize(
                                 "quantize the original float checkpoint")
     adapter = adapter_for(raw.get("model_type", "?"))
     storage_dtype = checkpoint_dtype(raw)
-    model = load(source, dtype=compute_dtype(recipe.calibration.dtype, storage_dtype))
+    choice = compute.choose(storage_dtype, "cpu", recipe.calibration.dtype, "calibration.dtype")
+    notify(choice.describe())
+    model = load(source, dtype=choice.dtype)
     stages = build_stages(model, adapter, recipe)
     batches = None
     if any(s.algorithm.needs_calibration for s in stages):
@@ -84,6 +84,7 @@ def quantize(
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "source": str(source),
         "recipe": recipe.name,
+        "compute": choice.to_json(),
         "quantize_seconds": round(result.seconds, 2),
         "layers": result.layers,
     }
@@ -93,4 +94,4 @@ def quantize(
         extra_files={"recipe.yaml": recipe.to_yaml(), "quantkit.json": json.dumps(metadata, indent=2) + "\n"},
         overwrite=overwrite,
     )
-    return QuantizeReport(out, source, result, time.perf_counter() - start)
+    return QuantizeReport(out, source, result, time.perf_counter() - start, choice)

@@ -55,9 +55,10 @@ class CalibrationSpec(_Strict):
     seq_len: PositiveInt = 512
     seed: int = 0
     batch_size: PositiveInt = 4  # samples per calibration forward: peak memory (attention temporaries) vs speed
-    # dtype of the calibration forwards; "auto" = the checkpoint's (bf16 matmuls are ~4x fp32 on
-    # CPUs with avx512_bf16). Hessians and other statistics are always accumulated in float32.
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    # dtype of the calibration forwards; "auto" = the machine's fast dtype that holds the checkpoint's
+    # weights exactly (`quantkit.compute`: bf16 only where the hardware has it; on an AVX2 CPU a bf16
+    # matmul is ~100x slower than float32). Hessians and other statistics are always float32.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
 
 class StageSpec(_Strict):

@@ -251,6 +251,29 @@ def test_awq_recipes_run_and_round_trip(recipe, tiny_models, tokenizer, tmp_path
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_float32_compute_of_a_bf16_checkpoint_exports_the_in_memory_model(arch, tiny_models, tokenizer, tmp_path):
+    """An AVX2 machine computes a bf16 checkpoint in float32: AWQ's folded norms and weights are
+    rounded to bf16 as they are folded, so the export reloads bit for bit to the in-memory model."""
+    from quantkit.export import export_checkpoint
+    from quantkit.formats.compressed_tensors import build_quantization_config
+
+    src = tiny_models[arch]
+    batches = [sample_ids(tokenizer, 2, 24)]
+    model, _, result, storage, _ = quantize_in_memory(src, "awq-w4a16", ["stages.1.scheme.group_size=32"], batches)
+    assert storage == torch.bfloat16 and model.dtype == torch.float32
+    norm = model.model.layers[0].input_layernorm.weight
+    assert torch.equal(norm, norm.to(torch.bfloat16).float())  # the folded norm holds bf16 values
+    ids = sample_ids(tokenizer, 1, 16)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    export_checkpoint(model, tmp_path / "q", storage_dtype=storage, source=src,
+                      quantization_config=build_quantization_config(model, result.quantized))
+    with torch.no_grad():
+        got = quantkit.load(tmp_path / "q", dtype=torch.float32)(input_ids=ids).logits
+    assert torch.equal(got, expected)
+
+
 def test_awq_stage_errors(tiny_llama):
     from quantkit.pipeline import build_stages
     from quantkit.recipe import load_recipe

@@ -36,7 +36,7 @@ def test_quantize_eval_generate(run, tiny_llama, tmp_path):
     assert data["results"][0]["delta"] == 0 and data["results"][1]["tokens"] == 2 * 63
     assert "(baseline)" in res.output
     res = run("generate", out, "It is", "-n", "5")
-    assert res.exit_code == 0 and res.output.startswith("It is")
+    assert res.exit_code == 0 and res.stdout.startswith("It is")  # the compute dtype line goes to stderr
 
 
 def test_baseline_option_goes_first(run, tiny_llama, tmp_path):

@@ -81,7 +81,7 @@ class AWQ(Algorithm):
                 continue
             smooth = ctx.layer.get_submodule(group.smooth)
             balance = [ctx.layer.get_submodule(b) for b in group.balance + group.passthrough]
-            fold_scales(smooth, balance, scales, ctx.adapter.norm_weight_offset, index)
+            fold_scales(smooth, balance, scales, ctx.adapter.norm_weight_offset, index, ctx.scale_dtype)
             for b in group.balance:
                 input_scale[ctx.prefix + b] = scales if index is None else scales[index]
         for name in clipped:
@@ -174,12 +174,12 @@ class AWQ(Algorithm):
             scales = smooth_scales if index is None or smooth_scales is None else smooth_scales[index]
             # what folding will really do to the balance inputs: x -> x * factor (1/s up to rounding)
             factor = None if smooth_scales is None else \
-                _fold_factor(smooth, smooth_scales, ctx.adapter.norm_weight_offset)
+                _fold_factor(smooth, smooth_scales, ctx.adapter.norm_weight_offset, ctx.scale_dtype)
             if factor is not None and index is not None:
                 factor = factor[index]
             for (n, w), scheme in zip(weights.items(), schemes):
-                # the balance weight as it will be stored (scaled, in its dtype), clipped, quantized
-                wf = w.float() if scales is None else (w.float() * scales).to(w.dtype).float()
+                # the balance weight as it will be stored (scaled, in the checkpoint dtype), clipped, quantized
+                wf = w.float() if scales is None else (w.float() * scales).to(ctx.scale_dtype).float()
                 if n in clipped:
                     wf = apply_clip(wf, self._clip_factors(ctx, n, wf, rec.hessian(leader[n]), scales, 0), scheme)
                 q = fake_quantize(wf, scheme, ctx.scale_dtype)
@@ -232,16 +232,16 @@ class AWQ(Algorithm):
         self.report.setdefault(name, {})["awq_clip_mean"] = round(float(factors.mean()), 4)
 
 
-def _fold_factor(smooth: nn.Module, scales: torch.Tensor, offset: float) -> torch.Tensor:
+def _fold_factor(smooth: nn.Module, scales: torch.Tensor, offset: float, storage_dtype: torch.dtype) -> torch.Tensor:
     """The factor folding `scales` really applies to the smooth operator's outputs: 1/s, except
     where the stored parameter's rounding changes it. That matters for norms applying
-    (offset + weight) (Gemma: 1 + w): the folded (1 + w)/s - 1 is stored in the model dtype, and
-    for large s the small 1 + w' left after rounding it can be far from (1 + w)/s."""
+    (offset + weight) (Gemma: 1 + w): the folded (1 + w)/s - 1 is stored in the checkpoint dtype,
+    and for large s the small 1 + w' left after rounding it can be far from (1 + w)/s."""
     s = scales.float()
-    if isinstance(smooth, nn.Linear) or offset == 0 or smooth.weight.dtype == torch.float32:
+    if isinstance(smooth, nn.Linear) or offset == 0 or storage_dtype == torch.float32:
         return 1.0 / s  # relative rounding only: negligible
     base = offset + smooth.weight.float()
-    stored = ((base / s) - offset).to(smooth.weight.dtype).float()
+    stored = ((base / s) - offset).to(storage_dtype).float()
     factor = (offset + stored) / base
     return torch.where(base.abs() > 1e-6, factor, 1.0 / s)
 

@@ -24,7 +24,9 @@ def command():
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
               help="fp8: every model attends through an FP8 KV cache with its calibrated k/v scales (1.0 where absent).")
-def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path, no_progress, kv_cache_dtype):
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="Compute dtype; float32 is the protocol, auto the machine's fast dtype (faster, slightly different).")
+def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path, no_progress, kv_cache_dtype, dtype):
     """Perplexity of MODELS on a text (the protocol is in evals/PROTOCOL.md).
 
     \b
@@ -38,9 +40,11 @@ def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path,
 
     names = ([baseline] if baseline else []) + [m for m in models if m != baseline]
     rows = evaluate_many(names, dataset, text_column, seq_len, max_windows or None, progress=not no_progress,
-                         kv_cache_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype)
+                         kv_cache_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype, dtype=dtype)
+    for line in dict.fromkeys(r["compute"] for r in rows):
+        click.echo(line, err=True)
     click.echo(format_table(rows))
     if json_path:
         json_path.write_text(json.dumps({"dataset": dataset, "seq_len": seq_len, "kv_cache_dtype": kv_cache_dtype,
-                                         "results": rows}, indent=2) + "\n")
+                                         "dtype": dtype, "results": rows}, indent=2) + "\n")
         click.echo(f"Wrote {json_path}")

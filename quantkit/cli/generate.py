@@ -28,6 +28,9 @@ def sampling_options(f):
                      help="fp8: keep the KV cache on the FP8 grid with the checkpoint's k/v scales (1.0 where absent)."),
         click.option("--draft", help="Speculative decoding: a draft MODEL (same tokenizer), e.g. the W4A16 version."),
         click.option("--num-draft-tokens", default=4, show_default=True, type=click.IntRange(min=1)),
+        click.option("--dtype", default="auto", show_default=True,
+                     type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+                     help="Compute dtype; auto: bf16 only where this machine computes it fast, else float32."),
     ]
     return functools.reduce(lambda acc, opt: opt(acc), reversed(options), f)
 
@@ -50,9 +53,12 @@ class Runner:
     def __init__(self, model_spec, opts: dict):
         from quantkit.runtime.loader import load, load_tokenizer
 
-        self.model = load(model_spec)
+        self.model = load(model_spec, dtype=opts.get("dtype"))
         self.tokenizer = load_tokenizer(model_spec)
-        self.draft = load(opts["draft"]) if opts.get("draft") else None
+        self.draft = load(opts["draft"], dtype=opts.get("dtype")) if opts.get("draft") else None
+        lines = dict.fromkeys(m.quantkit_compute.describe() for m in (self.model, self.draft) if m is not None)
+        for line in lines:  # once per distinct choice
+            click.echo(line, err=True)
         self.opts, self.params = opts, _params(opts)
         self.kv = None if opts["kv_cache_dtype"] == "auto" else opts["kv_cache_dtype"]
 

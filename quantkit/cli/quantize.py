@@ -27,7 +27,8 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress):
     from quantkit.recipe import load_recipe
 
     recipe = load_recipe(recipe_name, list(overrides))
-    report = quantize(model, recipe, output, overwrite=overwrite, progress=not no_progress)
+    report = quantize(model, recipe, output, overwrite=overwrite, progress=not no_progress,
+                      notify=lambda line: click.echo(line, err=True))
     layers = report.result.layers
     click.echo(f"Quantized {len(layers)} linear layers of {report.source} with recipe {recipe.name} "
                f"in {report.seconds:.1f} s")

@@ -15,6 +15,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from quantkit import compute
 from quantkit.arch.adapter import checkpoint_namer, find_adapter
 from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
@@ -36,17 +37,20 @@ def checkpoint_dtype(config: dict) -> torch.dtype:
     return dtype
 
 
-def load(path: Union[str, Path, None], dtype: Optional[torch.dtype] = None) -> PreTrainedModel:
+def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = None) -> PreTrainedModel:
     """Load a plain or compressed-tensors checkpoint on CPU.
 
-    dtype: compute dtype of the float parameters (default: the checkpoint's). Quantized
-    modules keep their packed integers and stored scales whatever the dtype.
+    dtype: compute dtype of the float parameters: a torch dtype, a name, or None / "auto" for the
+    machine's fast dtype that holds the checkpoint's weights exactly (`quantkit.compute`; bf16 only
+    where the CPU computes it fast). Quantized modules keep their packed integers and stored scales
+    whatever the dtype. The choice is kept as `model.quantkit_compute`.
     """
     path = resolve_model(None if path is None else str(path))
     raw = read_config(path)
     qc = raw.get("quantization_config")
     plan = parse_quantization_config(qc, f"{path}/config.json") if qc else None
-    dtype = dtype or checkpoint_dtype(raw)
+    choice = _compute_choice(dtype, checkpoint_dtype(raw))
+    dtype = choice.dtype
     config = AutoConfig.from_pretrained(path)  # never trust_remote_code: unknown types fail here
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # we build quantized modules ourselves
@@ -66,7 +70,16 @@ def load(path: Union[str, Path, None], dtype: Optional[torch.dtype] = None) -> P
     model.requires_grad_(False)  # an inference model: no autograd bookkeeping, and the decode step may fuse weights
     prepare_kernels(model, dtype)
     model.quantkit_source = str(path)
+    model.quantkit_compute = choice
+    log.info("%s: %s", path, choice.describe())
     return model
+
+
+def _compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype) -> compute.ComputeChoice:
+    if isinstance(dtype, torch.dtype):
+        return compute.ComputeChoice(dtype, "cpu", f"dtype={str(dtype).removeprefix('torch.')} asked for",
+                                     "setting")
+    return compute.choose(storage, "cpu", dtype or "auto", "dtype")
 
 
 def prepare_kernels(model: nn.Module, dtype: torch.dtype) -> dict[str, int]:

@@ -1,0 +1,131 @@
+"""The compute-dtype policy (`quantkit.compute`) for each CPU torch can report, CUDA, and the overrides."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from quantkit import compute
+from quantkit.compute import ComputeDtypeError, CpuFeatures, choose
+
+AVX2 = CpuFeatures("AVX2", x86=True)
+AVX512 = CpuFeatures("AVX512", x86=True)
+AVX512_BF16 = CpuFeatures("AVX512", x86=True, avx512_bf16=True)
+AMX = CpuFeatures("AVX512", x86=True, avx512_bf16=True, amx_tile=True)
+AMX_FP16 = CpuFeatures("AVX512", x86=True, avx512_bf16=True, amx_tile=True, amx_fp16=True)
+ARM = CpuFeatures("DEFAULT", x86=False)
+
+
+def _never_probe():
+    raise AssertionError("the probe must not run where torch reports the CPU's features")
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv(compute.ENV, raising=False)
+
+
+@pytest.mark.parametrize("features, storage, expected, words", [
+    (AVX2, torch.bfloat16, torch.float32, "AVX2, no fast bf16"),
+    (AVX512, torch.bfloat16, torch.float32, "AVX512, no fast bf16"),
+    (AVX512_BF16, torch.bfloat16, torch.bfloat16, "avx512_bf16"),
+    (AMX, torch.bfloat16, torch.bfloat16, "AMX"),
+    (AVX2, torch.float16, torch.float32, "no fast bf16"),
+    (AMX, torch.float16, torch.float32, "does not hold exactly"),  # fp16 -> bf16 would round weights
+    (AMX_FP16, torch.float16, torch.float16, "AMX"),
+    (AMX, torch.float32, torch.float32, "would round its weights"),
+    (AVX2, torch.float32, torch.float32, "no fast bf16"),
+])
+def test_cpu_policy(features, storage, expected, words):
+    choice = choose(storage, "cpu", features=features, probe=_never_probe)
+    assert choice.dtype == expected
+    assert words in choice.reason
+    assert choice.source == "auto"
+
+
+def test_the_message_names_dtype_device_and_reason():
+    choice = choose(torch.bfloat16, "cpu", features=AVX2, probe=_never_probe)
+    assert choice.describe() == "compute float32 on cpu: AVX2, no fast bf16"
+    assert choice.to_json()["dtype"] == "float32" and choice.to_json()["device"] == "cpu"
+
+
+@pytest.mark.parametrize("fast, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_unknown_cpus_use_the_probe(fast, expected):
+    calls = []
+    choice = choose(torch.bfloat16, "cpu", features=ARM, probe=lambda: calls.append(1) or fast)
+    assert choice.dtype == expected and calls == [1]
+    assert "probe" in choice.reason
+
+
+@pytest.mark.parametrize("bf16, storage, expected", [
+    (True, torch.bfloat16, torch.bfloat16),
+    (False, torch.bfloat16, torch.float16),  # no bf16 on the device: fp16
+    (True, torch.float16, torch.float16),
+    (False, torch.float16, torch.float16),
+    (True, torch.float32, torch.float32),
+])
+def test_cuda_policy(monkeypatch, bf16, storage, expected):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    assert choose(storage, "cuda:0").dtype == expected
+
+
+def test_overrides_environment_then_setting(monkeypatch):
+    monkeypatch.setenv(compute.ENV, "float32")
+    env = choose(torch.bfloat16, "cpu", features=AMX, probe=_never_probe)
+    assert env.dtype == torch.float32 and env.source == "env" and compute.ENV in env.reason
+    # an explicit setting (a recipe's calibration.dtype, --dtype) is more specific than the environment
+    setting = choose(torch.bfloat16, "cpu", "bf16", "calibration.dtype", features=AVX2, probe=_never_probe)
+    assert setting.dtype == torch.bfloat16 and setting.source == "setting"
+    assert "calibration.dtype=bfloat16" in setting.reason
+    monkeypatch.setenv(compute.ENV, "auto")
+    assert choose(torch.bfloat16, "cpu", features=AVX2, probe=_never_probe).source == "auto"
+
+
+@pytest.mark.parametrize("where, value", [("env", "int8"), ("setting", "double")])
+def test_unknown_names_are_errors(monkeypatch, where, value):
+    if where == "env":
+        monkeypatch.setenv(compute.ENV, value)
+    with pytest.raises(ComputeDtypeError, match=f"{value!r} is not a compute dtype; use auto, float32"):
+        choose(torch.bfloat16, "cpu", value if where == "setting" else "auto", features=AVX2, probe=_never_probe)
+
+
+def test_probe_is_cached_per_machine(tmp_path):
+    cache = tmp_path / "probe.json"
+    seconds = {torch.float32: 4.0, torch.bfloat16: 1.0}
+    timed = []
+
+    def timer(dtype):
+        timed.append(dtype)
+        return seconds[dtype]
+
+    assert compute.probe_bf16_cached(cache, timer) is True
+    assert len(timed) == 2
+    assert compute.probe_bf16_cached(cache, timer) is True and len(timed) == 2  # read back, not re-measured
+    assert list(json.loads(cache.read_text()).values()) == [True]
+    assert compute.probe_bf16(lambda d: {torch.float32: 1.0, torch.bfloat16: 1.2}[d]) is False  # slower bf16
+    assert compute.probe_bf16(lambda d: {torch.float32: 1.0, torch.bfloat16: 0.9}[d]) is False  # 1.1x: not enough
+
+
+def test_this_machine_gets_a_consistent_answer(monkeypatch):
+    """What the policy says here follows from what torch reports (no hard-wired dtype)."""
+    f = compute.cpu_features()
+    choice = choose(torch.bfloat16, "cpu")
+    if f.avx512_bf16 or f.amx_tile:
+        assert choice.dtype == torch.bfloat16
+    elif f.x86:
+        assert choice.dtype == torch.float32
+    assert f.capability in compute.machine_summary()
+
+
+def test_load_uses_the_policy_and_records_it(tiny_llama, monkeypatch):
+    from quantkit.runtime.loader import load
+
+    monkeypatch.setenv(compute.ENV, "float32")
+    model = load(tiny_llama)  # a bf16 checkpoint
+    assert model.quantkit_compute.dtype == torch.float32 and model.dtype == torch.float32
+    monkeypatch.setenv(compute.ENV, "bfloat16")
+    assert load(tiny_llama).dtype == torch.bfloat16
+    assert load(tiny_llama, dtype=torch.float32).dtype == torch.float32  # an explicit dtype wins
