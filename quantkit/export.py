@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from quantkit.arch.adapter import checkpoint_namer
 from quantkit.atomic import atomic_output_dir
-from quantkit.formats.checkpoint import copy_passthrough, write_json, write_weights
+from quantkit.finite import check_output
+from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, copy_passthrough, write_json, write_weights
+
+log = logging.getLogger(__name__)
 
 
 def export_tensors(model: nn.Module, storage_dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -39,19 +44,44 @@ def export_checkpoint(
     quantization_config: Optional[dict] = None,
     extra_files: Optional[dict[str, str]] = None,
     overwrite: bool = False,
+    protect: Sequence[Path] = (),
+    keep_remote_code: bool = False,
+    notify: Callable[[str], None] = log.warning,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
-    """Save `model` to `out`; nothing appears at `out` unless every file was written."""
-    with atomic_output_dir(out, overwrite) as tmp:
-        write_weights(tmp, export_tensors(model, storage_dtype))
-        config = model.config.to_diff_dict()
-        config.pop("quantization_config", None)
-        config.pop("_name_or_path", None)
-        config["architectures"] = [type(model).__name__]
-        config["dtype"] = str(storage_dtype).removeprefix("torch.")
-        if quantization_config is not None:
-            config["quantization_config"] = quantization_config
-        write_json(tmp / "config.json", config)
-        copy_passthrough(source, tmp)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
+    """Save `model` to `out`; nothing appears at `out` unless every file was written.
+
+    Every float tensor (weights, scales) is checked to be finite first. `protect`: paths --overwrite
+    must not replace (the source). For the other files see `write_model_files`."""
+    tensors = export_tensors(model, storage_dtype)
+    check_output(tensors)
+    with atomic_output_dir(out, overwrite, protect) as tmp:
+        write_weights(tmp, tensors, max_shard_bytes)
+        write_model_files(tmp, model, storage_dtype, source, quantization_config, extra_files, keep_remote_code, notify)
     return Path(out)
+
+
+def write_model_files(tmp: Path, model: nn.Module, storage_dtype: torch.dtype, source: Optional[Path],
+                      quantization_config: Optional[dict], extra_files: Optional[dict[str, str]],
+                      keep_remote_code: bool, notify: Callable[[str], None]) -> None:
+    """Everything of a checkpoint directory but the weights: config.json (with quantization_config),
+    the source's tokenizer and generation files, and `extra_files`. The config's `auto_map` (remote
+    code) is dropped, with a message to `notify`, unless `keep_remote_code`, which also copies the
+    source's .py files (quantkit never runs them)."""
+    config = model.config.to_diff_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["architectures"] = [type(model).__name__]
+    config["dtype"] = str(storage_dtype).removeprefix("torch.")
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    if config.get("auto_map") and not keep_remote_code:
+        notify(f"dropped auto_map from the written config.json (it points at remote code: "
+               f"{', '.join(sorted(config.pop('auto_map')))}); pass --trust-remote-code to keep it with the .py files")
+    write_json(tmp / "config.json", config)
+    copy_passthrough(source, tmp)
+    if keep_remote_code and source is not None and config.get("auto_map"):
+        for py in sorted(Path(source).glob("*.py")):
+            shutil.copy2(py, tmp / py.name)
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import functools
 import sys
 from typing import Optional
@@ -46,3 +47,58 @@ def available_memory() -> Optional[int]:
     except OSError:
         return None
     return None
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def live_heap_bytes() -> Optional[int]:
+    """Bytes malloc has handed out and not had back (in-use heap chunks + mmapped blocks), glibc only:
+    what the process's tensors and objects hold, without freed memory the allocator keeps or file pages."""
+    libc = _libc()
+    fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if fn is None:
+        return None
+    fn.restype = _Mallinfo2
+    info = fn()
+    return info.uordblks + info.hblkhd
+
+
+class PeakSampler:
+    """Samples `live_heap_bytes()` (and resident memory) every `interval` seconds in a thread; `peak`
+    and `peak_rss` are the largest values seen while the block ran."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval, self.peak, self.peak_rss = interval, 0, 0
+        self._stop = None
+
+    def _sample(self) -> None:
+        live = live_heap_bytes() or 0
+        self.peak = max(self.peak, live)
+        try:
+            with open("/proc/self/statm") as f:
+                self.peak_rss = max(self.peak_rss, int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError):
+            pass
+
+    def __enter__(self) -> "PeakSampler":
+        import threading
+
+        self._stop = threading.Event()
+
+        def run():
+            while not self._stop.wait(self.interval):
+                self._sample()
+
+        self._sample()
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()

@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import reduce
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import nn
@@ -35,6 +35,14 @@ from quantkit.targets import select_linears
 log = logging.getLogger(__name__)
 
 
+class LayerStore(Protocol):
+    """Loads a decoder layer's tensors before its turn and takes it back, quantized, after it."""
+
+    def load_layer(self, index: int, layer: nn.Module) -> None: ...
+
+    def finish_layer(self, index: int, layer: nn.Module) -> None: ...
+
+
 @dataclass
 class Stage:
     index: int
@@ -42,6 +50,12 @@ class Stage:
     algorithm: Algorithm
     modules: list[str]  # full names of the linears this stage quantizes (or transforms)
     schemes: dict[str, QuantScheme] = field(default_factory=dict)  # transforms: the scheme each target gets later
+    # quantizing stages: linears whose inputs the scheme's group size does not divide, with the smaller group they get
+    fallbacks: dict[str, QuantScheme] = field(default_factory=dict)
+
+    def scheme_of(self, name: str) -> QuantScheme:
+        """The scheme this (quantizing) stage gives linear `name`."""
+        return self.fallbacks.get(name, self.algorithm.scheme)
 
 
 @dataclass
@@ -88,8 +102,9 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
                 f"stage {i} ({spec.algorithm}) targets {', '.join(outside)}, outside the decoder layers; "
                 f"quantizing those is not supported yet: add them to stages.{i}.ignore"
             )
+        fallbacks = {}
         if algo_cls.produces_weights:
-            _check_divisible(model, names, scheme, i)
+            fallbacks = _fit_group_size(model, names, scheme, i, recipe.group_size_set(i))
             twice = [n for n in names if n in claimed]
             if twice:
                 raise QuantizationError(
@@ -97,7 +112,7 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
                     "make the stages' targets/ignore disjoint"
                 )
             claimed.update({n: i for n in names})
-        stages.append(Stage(i, spec, algorithm, names))
+        stages.append(Stage(i, spec, algorithm, names, fallbacks=fallbacks))
     if not claimed and not any(_observes_attention(s) for s in stages):
         raise QuantizationError("the recipe's targets match no Linear module inside the decoder layers")
     for stage in stages:
@@ -120,7 +135,7 @@ def _assign_later_schemes(stage: Stage, stages: list[Stage], claimed: dict[str, 
             + " but no later stage quantizes it; add a quantizing stage (rtn, gptq) after it "
             f"or add those modules to stages.{stage.index}.ignore"
         )
-    stage.schemes = {n: stages[claimed[n]].algorithm.scheme for n in stage.modules}
+    stage.schemes = {n: stages[claimed[n]].scheme_of(n) for n in stage.modules}
     fp8 = [n for n, sc in stage.schemes.items() if sc.is_fp8]
     if fp8:
         raise QuantizationError(
@@ -128,20 +143,32 @@ def _assign_later_schemes(stage: Stage, stages: list[Stage], claimed: dict[str, 
             f"stage {claimed[fp8[0]]}; FP8's per-channel scales need no such transform: drop stage {stage.index}")
 
 
-def _check_divisible(model: nn.Module, names: list[str], scheme: QuantScheme, stage: int) -> None:
+FALLBACK_GROUP_SIZES = (64, 32)  # for a layer a recipe's default group size does not divide, the largest that does
+
+
+def _fit_group_size(model: nn.Module, names: list[str], scheme: QuantScheme, stage: int,
+                    explicit: bool) -> dict[str, QuantScheme]:
+    """The linears whose in_features the group size does not divide, each with the scheme it gets
+    instead: the largest of FALLBACK_GROUP_SIZES that divides it. A group size given by --set
+    (`explicit`), or a layer no fallback fits, is an error naming the layer and the sizes that fit."""
     if scheme.strategy != "group":
-        return
+        return {}
     sizes = {n: model.get_submodule(n).in_features for n in names}
     bad = [n for n, k in sizes.items() if k % scheme.group_size]
-    if bad:
-        common = reduce(math.gcd, sizes.values())
-        fits = [g for g in (16, 32, 64, 128, 256) if common % g == 0]
-        raise QuantizationError(
-            f"group_size {scheme.group_size} does not divide in_features {sizes[bad[0]]} of layer {bad[0]}"
-            + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
-            + f"; group sizes that divide every targeted layer: {', '.join(map(str, fits)) or 'none (use strategy channel)'}"
-            + f" -- e.g. --set stages.{stage}.scheme.group_size={fits[-1] if fits else 64}"
-        )
+    if not bad:
+        return {}
+    fitting = {n: next((g for g in FALLBACK_GROUP_SIZES if g < scheme.group_size and sizes[n] % g == 0), None)
+               for n in bad}
+    if not explicit and all(fitting.values()):
+        return {n: scheme.model_copy(update={"group_size": g}) for n, g in fitting.items()}
+    common = reduce(math.gcd, sizes.values())
+    fits = [g for g in (16, 32, 64, 128, 256) if common % g == 0]
+    raise QuantizationError(
+        f"group_size {scheme.group_size} does not divide in_features {sizes[bad[0]]} of layer {bad[0]}"
+        + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+        + f"; group sizes that divide every targeted layer: {', '.join(map(str, fits)) or 'none (use strategy channel)'}"
+        + f" -- e.g. --set stages.{stage}.scheme.group_size={fits[-1] if fits else 64}"
+    )
 
 
 def _groups(names: list[str], adapter: ArchitectureAdapter, prefix: str) -> list[list[str]]:
@@ -162,8 +189,12 @@ def quantize_model(
     batches: Optional[list[torch.Tensor]],
     scale_dtype: torch.dtype,
     progress: bool = True,
+    store: Optional[LayerStore] = None,
 ) -> QuantizationResult:
-    """Quantize `model` in place; returns which modules were quantized and per-module errors."""
+    """Quantize `model` in place; returns which modules were quantized and per-module errors.
+
+    store: where decoder layers come from and go to when the model is not in memory (`onload`):
+    each layer is loaded just before its turn and handed back, quantized, right after it."""
     start = time.perf_counter()
     layers = adapter.layers(model)
     needs_data = any(s.algorithm.needs_calibration for s in stages)
@@ -175,6 +206,10 @@ def quantize_model(
     notes: dict[str, dict] = {}  # what transforms report per linear, logged when it is quantized
     for li in tqdm(range(len(layers)), desc="quantizing layers", unit="layer", disable=not progress):
         prefix = f"{adapter.layers_path}.{li}."
+        if store is not None:
+            t = time.perf_counter()
+            store.load_layer(li, layers[li])
+            result.add_time("load layer", t)
         packed: dict[str, nn.Module] = {}
         for stage in stages:
             names = [n for n in stage.modules if n.startswith(prefix)]
@@ -194,6 +229,10 @@ def quantize_model(
             result.add_time("forward quantized layer (next inputs)", t)
         for name, module in packed.items():
             model.set_submodule(name, module)
+        if store is not None:
+            t = time.perf_counter()
+            store.finish_layer(li, layers[li])
+            result.add_time("write layer", t)
         release_free_memory()
     result.seconds = time.perf_counter() - start
     return result
@@ -221,6 +260,11 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
         result.add_time(f"{stage.spec.algorithm}: transform", t)
         return {}
     algorithm.begin_layer(linears, groups)
+    # one algorithm per scheme (layers with a fallback group size): views sharing the statistics, made
+    # before any of them quantizes (an algorithm may drop its statistics when it is done)
+    scheme_of = {n: stage.scheme_of(n) for n in names}
+    algorithms = {sc: algorithm if sc == algorithm.scheme else algorithm.for_scheme(sc)
+                  for sc in dict.fromkeys(scheme_of.values())}
     if algorithm.needs_calibration:
         observe_time = [0.0]
 
@@ -236,7 +280,10 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
         result.add_seconds(f"{stage.spec.algorithm}: calibration forward", forward - observe_time[0])
         result.add_seconds(f"{stage.spec.algorithm}: observe (statistics)", observe_time[0])
     t = time.perf_counter()
-    quantized = algorithm.quantize_layer(linears, groups, scale_dtype)
+    quantized = {}
+    for scheme, algo in algorithms.items():
+        part = [g for g in groups if scheme_of[g[0]] == scheme]
+        quantized.update(algo.quantize_layer({n: linears[n] for g in part for n in g}, part, scale_dtype))
     t = result.add_time(f"{stage.spec.algorithm}: quantize", t)
     packed = {}
     for name, qw in quantized.items():

@@ -11,22 +11,26 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from torch import nn
 
 from quantkit import __version__
 from quantkit import compute
 from quantkit.arch.adapter import adapter_for
-from quantkit.atomic import check_output_free
+from quantkit.atomic import atomic_output_dir, check_free_space, check_output_free, check_writable, clean_stale_for
 from quantkit.calibration.data import load_text, make_chunks, tokenize
 from quantkit.errors import QuantizationError
-from quantkit.export import export_checkpoint
-from quantkit.formats.checkpoint import read_config
+from quantkit.export import export_checkpoint, write_model_files
+from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, read_config
 from quantkit.formats.compressed_tensors import build_quantization_config
 from quantkit.models.resolve import resolve_model
-from quantkit.pipeline import QuantizationResult, build_stages, quantize_model
+from quantkit.finite import check_source
+from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_model
 from quantkit.recipe import Recipe
-from quantkit.runtime.loader import checkpoint_dtype, load, load_tokenizer
+from quantkit.onload import OnloadedModel, skeleton
+from quantkit.runtime.loader import checkpoint_dtype, load, load_tokenizer, model_config
 
 log = logging.getLogger(__name__)
+LOAD_MODES = ("layers", "whole")
 
 
 @dataclass
@@ -45,10 +49,30 @@ def default_output(source: Path, recipe: Recipe) -> Path:
 def calibration_batches(source: Path, recipe: Recipe, needs_bos: bool) -> list[torch.Tensor]:
     cal = recipe.calibration
     tokenizer = load_tokenizer(source)
-    ids = tokenize(tokenizer, load_text(cal.dataset, cal.text_column))
+    ids = tokenize(tokenizer, load_text(cal.dataset, cal.text_column, cal.encoding))
     bos = tokenizer.bos_token_id if needs_bos else None
     chunks = make_chunks(ids, cal.num_samples, cal.seq_len, cal.seed, bos, label=cal.dataset)
     return list(chunks.split(cal.batch_size))  # [batch, seq_len] each
+
+
+def estimate_checkpoint_bytes(model: nn.Module, stages: list[Stage], storage_dtype: torch.dtype) -> int:
+    """Bytes of the checkpoint the stages will write: quantized linears at their bits plus scales
+    (and zero points), every other tensor in the storage dtype."""
+    schemes = {n: st.scheme_of(n) for st in stages if st.algorithm.produces_weights for n in st.modules}
+    total, seen = 0, set()
+    for name, module in model.named_modules():
+        for pname, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            key = id(t)  # tied parameters are one object (also on meta, where data pointers are all 0)
+            if key in seen:
+                continue  # tied weights are written once
+            seen.add(key)
+            sc = schemes.get(name)
+            if sc is not None and pname == "weight":
+                groups = sc.group_count(t.shape[1]) if sc.strategy == "group" else 1
+                total += t.numel() * sc.num_bits // 8 + t.shape[0] * groups * storage_dtype.itemsize * (1 if sc.symmetric else 2)
+            else:
+                total += t.numel() * (storage_dtype.itemsize if t.is_floating_point() else t.element_size())
+    return total
 
 
 def quantize(
@@ -58,13 +82,31 @@ def quantize(
     overwrite: bool = False,
     progress: bool = True,
     notify: Callable[[str], None] = log.info,
+    zero_nonfinite: bool = False,
+    trust_remote_code: bool = False,
+    load_mode: str = "layers",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> QuantizeReport:
-    """Quantize a checkpoint with `recipe` and write the result to `output`; `notify` gets the
-    one-line messages a user should see (the compute dtype chosen)."""
+    """Quantize a checkpoint with `recipe` and write the result to `output`.
+
+    Everything that can be checked before the work is: the output may be written (and replaced, with
+    `overwrite`), its filesystem has room, the source weights are finite (`zero_nonfinite` sets NaN/Inf
+    to 0 instead of refusing, loudly), the calibration text reads. `notify` gets the one-line messages
+    a user should see (the compute dtype, group-size fallbacks, leftovers of crashed runs removed).
+    `trust_remote_code` keeps the source config's auto_map and its .py files (never executed here).
+
+    load_mode "layers" (default): the model is an empty skeleton; each decoder layer is read from the
+    checkpoint just before its turn and written to the output shards right after (`quantkit.onload`);
+    "whole": the model is loaded into memory first and exported at the end. Both write identical files."""
+    if load_mode not in LOAD_MODES:
+        raise QuantizationError(f"load mode {load_mode!r}: use one of {', '.join(LOAD_MODES)}")
     start = time.perf_counter()
     source = resolve_model(model_spec)
     out = Path(output) if output else default_output(source, recipe)
-    check_output_free(out, overwrite)  # before minutes of work, not after
+    for line in clean_stale_for(out):
+        notify(line)
+    check_output_free(out, overwrite, protect=[source])  # before minutes of work, not after
+    check_writable(out)
     raw = read_config(source)
     if raw.get("quantization_config"):
         raise QuantizationError(f"{source} is already quantized ({raw['quantization_config'].get('quant_method')}); "
@@ -73,25 +115,70 @@ def quantize(
     storage_dtype = checkpoint_dtype(raw)
     choice = compute.choose(storage_dtype, "cpu", recipe.calibration.dtype, "calibration.dtype")
     notify(choice.describe())
-    model = load(source, dtype=choice.dtype)
+    if load_mode == "whole":
+        model, onloaded = load(source, dtype=choice.dtype), None
+        zeroed = check_source(model, zero_nonfinite, notify)
+    else:
+        model = skeleton(model_config(source, raw), choice.dtype)
+        onloaded = OnloadedModel(model, source, adapter, choice.dtype, storage_dtype)
+        zeroed = onloaded.check_finite(zero_nonfinite, notify)
     stages = build_stages(model, adapter, recipe)
+    fallbacks = _report_fallbacks(stages, notify)
+    check_free_space(out, estimate_checkpoint_bytes(model, stages, storage_dtype))
     batches = None
     if any(s.algorithm.needs_calibration for s in stages):
         batches = calibration_batches(source, recipe, adapter.needs_bos)
-    result = quantize_model(model, adapter, stages, batches, storage_dtype, progress)
-    metadata = {
-        "quantkit_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "source": str(source),
-        "recipe": recipe.name,
-        "compute": choice.to_json(),
-        "quantize_seconds": round(result.seconds, 2),
-        "layers": result.layers,
-    }
-    export_checkpoint(
-        model, out, storage_dtype=storage_dtype, source=source,
-        quantization_config=build_quantization_config(model, result.quantized, result.kv_cache_scheme),
-        extra_files={"recipe.yaml": recipe.to_yaml(), "quantkit.json": json.dumps(metadata, indent=2) + "\n"},
-        overwrite=overwrite,
-    )
+
+    def extra_files(result: QuantizationResult) -> dict[str, str]:
+        metadata = {
+            "quantkit_version": __version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "source": str(source),
+            "recipe": recipe.name,
+            "overrides": recipe.overrides,
+            "compute": choice.to_json(),
+            "load": load_mode,
+            "quantize_seconds": round(result.seconds, 2),
+            "group_size_fallbacks": fallbacks,
+            "zeroed_nonfinite": zeroed,
+            "layers": result.layers,
+        }
+        return {"recipe.yaml": recipe.to_yaml(), "quantkit.json": json.dumps(metadata, indent=2) + "\n"}
+
+    if onloaded is None:
+        result = quantize_model(model, adapter, stages, batches, storage_dtype, progress)
+        export_checkpoint(
+            model, out, storage_dtype=storage_dtype, source=source,
+            quantization_config=build_quantization_config(model, result.quantized, result.kv_cache_scheme),
+            extra_files=extra_files(result), overwrite=overwrite, protect=[source], keep_remote_code=trust_remote_code,
+            notify=notify, max_shard_bytes=max_shard_bytes)
+    else:
+        with atomic_output_dir(out, overwrite, protect=[source]) as tmp:  # an interrupted run leaves nothing at out
+            writer = ShardWriter(tmp, max_shard_bytes)
+            onloaded.begin(writer, needs_embeddings=batches is not None)
+            result = quantize_model(model, adapter, stages, batches, storage_dtype, progress, store=onloaded)
+            onloaded.end()
+            writer.close()
+            write_model_files(tmp, model, storage_dtype, source,
+                              build_quantization_config(model, result.quantized, result.kv_cache_scheme),
+                              extra_files(result), trust_remote_code, notify)
     return QuantizeReport(out, source, result, time.perf_counter() - start, choice)
+
+
+def _report_fallbacks(stages: list[Stage], notify: Callable[[str], None]) -> list[dict]:
+    """One line per stage whose group size some layers get smaller, and the record for quantkit.json."""
+    records = []
+    for st in stages:
+        if not st.fallbacks:
+            continue
+        asked = st.algorithm.scheme.group_size
+        by_size: dict[int, list[str]] = {}
+        for name, sc in st.fallbacks.items():
+            by_size.setdefault(sc.group_size, []).append(name)
+            records.append({"name": name, "stage": st.index, "group_size": sc.group_size, "recipe_group_size": asked})
+        for size, names in by_size.items():
+            kinds = sorted({n.rpartition(".")[2] for n in names})
+            notify(f"group_size {asked} does not divide the inputs of {len(names)} linear(s) ({', '.join(kinds)}): "
+                   f"those use group_size {size} (recorded in quantkit.json; --set stages.{st.index}.scheme.group_size=N "
+                   "to choose one for all)")
+    return records

@@ -11,18 +11,19 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, Field, PositiveInt, PrivateAttr, ValidationError, model_validator
 
 from quantkit.errors import QuantkitError, RecipeError
 from quantkit.paths import RECIPES_DIR
 from quantkit.registry import ALGORITHMS
 from quantkit.schemes import QuantScheme, resolve_scheme
+from quantkit.validation import StrictModel
 
 RECIPE_VERSION = 1
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Strict(StrictModel):
+    """Unknown keys are errors; booleans are not numbers."""
 
 
 class SchemeSpec(_Strict):
@@ -51,6 +52,7 @@ class SchemeSpec(_Strict):
 class CalibrationSpec(_Strict):
     dataset: str = "sensesensibility"  # a shipped text name, a local .txt/.jsonl/.parquet, or a hub dataset
     text_column: str = "text"  # column holding the text in .jsonl / .parquet / hub datasets
+    encoding: str = "utf-8"  # of a .txt file
     num_samples: PositiveInt = 64
     seq_len: PositiveInt = 512
     seed: int = 0
@@ -75,13 +77,30 @@ class Recipe(_Strict):
     description: str = ""
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
     stages: list[StageSpec] = Field(min_length=1)
+    _overrides: list[str] = PrivateAttr(default_factory=list)  # the --set items applied, in order
+
+    @property
+    def overrides(self) -> list[str]:
+        return list(self._overrides)
+
+    def group_size_set(self, stage: int) -> bool:
+        """Whether a --set override gave stage `stage`'s group size explicitly."""
+        for item in self._overrides:
+            parts = item.partition("=")[0].strip().split(".")
+            if parts[:1] == ["stages"] and len(parts) >= 3 and parts[1].lstrip("-").isdigit() \
+                    and int(parts[1]) % len(self.stages) == stage and parts[2:] in (["scheme", "group_size"], ["scheme"]):
+                return True
+        return False
 
     def to_yaml(self) -> str:
-        """The recipe with defaults filled in and schemes resolved to explicit fields."""
+        """The recipe with defaults filled in and schemes resolved to explicit fields; a comment
+        at the top names the --set overrides that were applied."""
         data = self.model_dump(mode="json")
         for stage, spec in zip(data["stages"], self.stages):
             stage["scheme"] = spec.scheme.resolve().model_dump(mode="json") if spec.scheme else None
-        return yaml.safe_dump(data, sort_keys=False)
+        head = "".join(f"# --set {item}\n" for item in self._overrides)
+        head = f"# recipe {self.name} with these overrides applied:\n{head}" if head else ""
+        return head + yaml.safe_dump(data, sort_keys=False)
 
 
 def available_recipes() -> dict[str, Path]:
@@ -116,7 +135,9 @@ def load_recipe(name_or_path: str, overrides: Optional[list[str]] = None) -> Rec
         raise RecipeError(f"recipe {label}: expected a mapping at the top level, got {type(raw).__name__}")
     for item in overrides or []:
         raw = apply_override(raw, item)
-    return validate_recipe(raw, label)
+    recipe = validate_recipe(raw, label)
+    recipe._overrides = list(overrides or [])
+    return recipe
 
 
 def validate_recipe(raw: dict, label: str = "recipe") -> Recipe:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import ConfigDict, field_validator, model_validator
 
 from quantkit.errors import RecipeError
+from quantkit.validation import StrictModel
 
 
-class ActivationScheme(BaseModel):
+class ActivationScheme(StrictModel):
     """FP8 input-activation quantization of a linear (compressed-tensors' `input_activations`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -35,7 +36,7 @@ class ActivationScheme(BaseModel):
         return self
 
 
-class QuantScheme(BaseModel):
+class QuantScheme(StrictModel):
     """Weight quantization scheme (plus, for FP8, the input activations'); validated so that every
     instance is usable as is."""
 

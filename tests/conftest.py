@@ -49,6 +49,8 @@ def _config(arch: str, vocab: int):
         return AutoConfig.for_model("llama", tie_word_embeddings=True, **common)
     if arch == "qwen3":
         return AutoConfig.for_model("qwen3", tie_word_embeddings=False, **common)
+    if arch == "qwen2":  # q/k/v with biases
+        return AutoConfig.for_model("qwen2", tie_word_embeddings=False, **{k: v for k, v in common.items() if k != "head_dim"})
     if arch == "gemma3_text":
         return AutoConfig.for_model("gemma3_text", sliding_window=16, query_pre_attn_scalar=16,
                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -58,7 +60,8 @@ def _config(arch: str, vocab: int):
     raise ValueError(arch)
 
 
-DTYPES = {"llama": torch.bfloat16, "qwen3": torch.float32, "gemma3_text": torch.bfloat16, "phi3": torch.float32}
+DTYPES = {"llama": torch.bfloat16, "qwen3": torch.float32, "gemma3_text": torch.bfloat16, "phi3": torch.float32,
+          "qwen2": torch.bfloat16}
 
 
 def make_tiny_model(arch: str, path: Path, tokenizer) -> Path:

@@ -129,3 +129,19 @@ def test_load_uses_the_policy_and_records_it(tiny_llama, monkeypatch):
     monkeypatch.setenv(compute.ENV, "bfloat16")
     assert load(tiny_llama).dtype == torch.bfloat16
     assert load(tiny_llama, dtype=torch.float32).dtype == torch.float32  # an explicit dtype wins
+
+
+def test_quantize_records_the_choice(tiny_llama, tmp_path, monkeypatch):
+    import json
+
+    from quantkit.quantize import quantize
+    from quantkit.recipe import load_recipe
+
+    monkeypatch.setenv(compute.ENV, "float32")
+    lines = []
+    report = quantize(str(tiny_llama), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]), tmp_path / "q",
+                      progress=False, notify=lines.append)
+    assert "compute float32 on cpu: QUANTKIT_COMPUTE_DTYPE=float32" in lines
+    meta = json.loads((report.output / "quantkit.json").read_text())
+    assert meta["compute"]["dtype"] == "float32" and meta["compute"]["source"] == "env"
+    assert meta["compute"]["cpu_capability"] == compute.cpu_features().capability

@@ -53,8 +53,10 @@ def test_on_disk_layout_matches_compressed_tensors(tiny_llama, tmp_path):
     assert qc["quantization_status"] == "compressed" and qc["ignore"] == ["lm_head"]
     group = qc["config_groups"]["group_0"]
     assert group["targets"] == ["Linear"] and group["format"] == "pack-quantized"
-    assert group["weights"] | {} == group["weights"] and group["weights"]["num_bits"] == 4
-    assert (group["weights"]["symmetric"], group["weights"]["strategy"], group["weights"]["group_size"]) == (False, "group", 32)
+    assert group["weights"] == {  # compressed-tensors' QuantizationArgs, every field (../shared/FORMATS.md)
+        "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32,
+        "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {},
+        "scale_dtype": None, "zp_dtype": "torch.int8"}
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -86,8 +88,15 @@ def test_existing_output_is_not_overwritten(tiny_llama, tmp_path):
     with pytest.raises(OutputExistsError, match="--overwrite"):
         quantize(str(tiny_llama), load_recipe("rtn-w4a16", W4_32), out, progress=False)
     assert (out / "keep.txt").read_text() == "precious"
-    quantize(str(tiny_llama), load_recipe("rtn-w4a16", W4_32), out, overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    # --overwrite replaces only what quantkit wrote: a directory with a file of the user's is refused, naming it
+    with pytest.raises(OutputExistsError, match="not a quantkit output .* holds keep.txt"):
+        quantize(str(tiny_llama), load_recipe("rtn-w4a16", W4_32), out, overwrite=True, progress=False)
+    assert (out / "keep.txt").read_text() == "precious"
+    (out / "keep.txt").unlink()
+    quantize(str(tiny_llama), load_recipe("rtn-w4a16", W4_32), out, overwrite=True, progress=False)  # empty: fine
+    first = (out / "model.safetensors").read_bytes()
+    quantize(str(tiny_llama), load_recipe("rtn-w8a16"), out, overwrite=True, progress=False)  # a quantkit output: fine
+    assert (out / "model.safetensors").read_bytes() != first
     assert [p.name for p in tmp_path.iterdir()] == ["q"]
 
 

@@ -85,3 +85,13 @@ def test_dequantize_in_bf16_is_single_rounding_of_exact_product():
     qw = rtn(w, scheme, torch.bfloat16)
     exact = dequantize(qw.q, qw.scale, qw.zero_point, scheme, torch.float64)
     assert torch.equal(qw.dequantize(torch.bfloat16), exact.to(torch.bfloat16))
+
+
+def test_group_size_that_does_not_divide_is_refused_not_regrouped():
+    """[4, 130] with group 64: the old check (`in % groups`, groups = 130 // 64 = 2) passed and quantized in
+    groups of 65; 64 does not divide 130, so it must be an error."""
+    w = torch.randn(4, 130)
+    with pytest.raises(ValueError, match="group_size 64 does not divide in_features 130"):
+        rtn(w, QuantScheme(num_bits=4, group_size=64), torch.float32)
+    qw = rtn(torch.randn(4, 128), QuantScheme(num_bits=4, group_size=64), torch.float32)
+    assert qw.scale.shape == (4, 2)

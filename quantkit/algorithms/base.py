@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 from torch import nn
 
 from quantkit.quant.fp8 import Fp8Weight
 from quantkit.quant.intq import QuantizedWeight
 from quantkit.schemes import QuantScheme
+from quantkit.validation import StrictModel
 
 if TYPE_CHECKING:
     from quantkit.arch.adapter import ArchitectureAdapter
@@ -32,8 +34,8 @@ class LayerContext:
     scale_dtype: torch.dtype
 
 
-class AlgorithmConfig(BaseModel):
-    """Base of every algorithm's `args`; unknown keys are errors."""
+class AlgorithmConfig(StrictModel):
+    """Base of every algorithm's `args`; unknown keys are errors, booleans are not numbers."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -64,6 +66,13 @@ class Algorithm(ABC):
         self.config = config
         self.scheme = scheme
         self.report: dict[str, dict] = {}
+
+    def for_scheme(self, scheme: QuantScheme) -> "Algorithm":
+        """This stage with another scheme, for the layers that get it (a fallback group size): it shares
+        this one's statistics of the current layer and its report."""
+        clone = copy.copy(self)
+        clone.scheme = scheme
+        return clone
 
     @classmethod
     def quantizes(cls, scheme: QuantScheme) -> bool:

@@ -18,11 +18,35 @@ def shipped_texts() -> dict[str, Path]:
     return {p.stem: p for d in (CALIBRATION_DIR, EVAL_DATA_DIR) for p in sorted(d.glob("*.txt"))}
 
 
-def load_text(dataset: str, text_column: str = "text") -> str:
-    """All text of a dataset, documents joined by blank lines."""
+def read_text_file(path: Path, encoding: str = "utf-8") -> str:
+    """A text file's contents; binary data, an unknown encoding or a decoding error is a clear error
+    naming the file (and the byte offset) and the fix."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CalibrationDataError(f"text file {str(path)!r} cannot be read: {exc.strerror or exc}") from exc
+    if b"\x00" in data[:65536] and not encoding.lower().replace("-", "").startswith(("utf16", "utf32")):
+        at = data.index(b"\x00")
+        raise CalibrationDataError(f"text file {str(path)!r} holds binary data (a NUL byte at offset {at}), not text; "
+                                   "pass a plain-text file")
+    try:
+        return data.decode(encoding)
+    except LookupError:
+        raise CalibrationDataError(f"text file {str(path)!r}: unknown encoding {encoding!r}; use e.g. utf-8, "
+                                   "latin-1, cp1252") from None
+    except UnicodeDecodeError as exc:
+        bad = data[exc.start : exc.start + 4]
+        raise CalibrationDataError(
+            f"text file {str(path)!r} is not valid {encoding}: byte {exc.start} ({bad!r}) cannot be decoded; "
+            f"give its encoding (--encoding, or calibration.encoding in a recipe; e.g. latin-1 or cp1252) "
+            f"or convert it to UTF-8 (iconv -f latin1 -t utf-8)") from None
+
+
+def load_text(dataset: str, text_column: str = "text", encoding: str = "utf-8") -> str:
+    """All text of a dataset, documents joined by blank lines; `encoding` applies to .txt files."""
     shipped = shipped_texts()
     if dataset in shipped:
-        return shipped[dataset].read_text(encoding="utf-8")
+        return read_text_file(shipped[dataset])
     path = Path(dataset).expanduser()
     if path.exists():
         if path.suffix not in LOCAL_SUFFIXES:
@@ -30,7 +54,7 @@ def load_text(dataset: str, text_column: str = "text") -> str:
                 f"dataset file {dataset!r}: unsupported type {path.suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}"
             )
         if path.suffix == ".txt":
-            return path.read_text(encoding="utf-8")
+            return read_text_file(path, encoding)
         return _join_column(_load_datasets(LOCAL_SUFFIXES[path.suffix], {"data_files": str(path)}, dataset), text_column, dataset)
     if dataset.startswith((".", "/", "~")) or Path(dataset).suffix in LOCAL_SUFFIXES:
         raise CalibrationDataError(f"dataset file {dataset!r} does not exist (shipped texts: {', '.join(shipped)})")
@@ -46,7 +70,7 @@ def _load_datasets(builder: str, kwargs: dict, label: str):
         raise CalibrationDataError(
             f"dataset {label!r} could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
             f"pass a local .txt/.jsonl/.parquet file or a shipped text ({', '.join(shipped_texts())})"
-        ) from None
+        ) from exc
 
 
 def _join_column(ds, column: str, label: str) -> str:

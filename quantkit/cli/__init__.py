@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import click
@@ -35,14 +36,24 @@ def main(verbose: int) -> None:
       quantkit eval ppl smollm2-135m smollm2-w4
       quantkit generate smollm2-w4 "It is a truth universally acknowledged"
     """
+    _terminate_cleanly()
     level = logging.WARNING - 10 * verbose
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
 
 
-def _register() -> None:
-    from quantkit.cli import convert, eval_cmd, generate, models, plugins, quantize, recipes
+def _terminate_cleanly() -> None:
+    """SIGTERM (kill, a scheduler's stop) unwinds like Ctrl-C: work directories are removed on the way out."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        def stop(signum, frame):
+            raise SystemExit(128 + signum)
 
-    for module in (convert, eval_cmd, generate, models, plugins, quantize, recipes):
+        signal.signal(signal.SIGTERM, stop)
+
+
+def _register() -> None:
+    from quantkit.cli import clean, convert, eval_cmd, generate, models, plugins, quantize, recipes
+
+    for module in (clean, convert, eval_cmd, generate, models, plugins, quantize, recipes):
         main.add_command(module.command)
     main.add_command(generate.chat_command)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -26,7 +27,9 @@ def command():
               help="fp8: every model attends through an FP8 KV cache with its calibrated k/v scales (1.0 where absent).")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               help="Compute dtype; float32 is the protocol, auto the machine's fast dtype (faster, slightly different).")
-def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path, no_progress, kv_cache_dtype, dtype):
+@click.option("--encoding", default="utf-8", show_default=True, help="Encoding of a .txt dataset file.")
+def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path, no_progress, kv_cache_dtype, dtype,
+        encoding):
     """Perplexity of MODELS on a text (the protocol is in evals/PROTOCOL.md).
 
     \b
@@ -38,13 +41,35 @@ def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path,
     """
     from quantkit.eval.report import evaluate_many, format_table
 
+    if json_path:
+        check_json_path(json_path)  # before the evaluation, not after it
     names = ([baseline] if baseline else []) + [m for m in models if m != baseline]
     rows = evaluate_many(names, dataset, text_column, seq_len, max_windows or None, progress=not no_progress,
-                         kv_cache_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype, dtype=dtype)
+                         kv_cache_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype, dtype=dtype,
+                         encoding=encoding)
     for line in dict.fromkeys(r["compute"] for r in rows):
         click.echo(line, err=True)
     click.echo(format_table(rows))
     if json_path:
         json_path.write_text(json.dumps({"dataset": dataset, "seq_len": seq_len, "kv_cache_dtype": kv_cache_dtype,
-                                         "dtype": dtype, "results": rows}, indent=2) + "\n")
+                                         "dtype": dtype, "results": rows}, indent=2, allow_nan=False) + "\n")
         click.echo(f"Wrote {json_path}")
+    failed = [r["model"] for r in rows if r.get("error")]
+    if failed:
+        raise EvalFailed(f"no valid perplexity for {', '.join(failed)} (see the table)")
+
+
+class EvalFailed(click.ClickException):
+    exit_code = 2
+
+
+def check_json_path(path: Path) -> None:
+    """A --json (or report) path must be writable before minutes of evaluation are spent."""
+    parent = path.expanduser().resolve().parent
+    if path.is_dir():
+        raise click.BadParameter(f"{str(path)!r} is a directory; give a file name", param_hint="--json")
+    if not parent.is_dir():
+        raise click.BadParameter(f"directory {str(parent)!r} does not exist; create it or choose another path",
+                                 param_hint="--json")
+    if not os.access(parent, os.W_OK):
+        raise click.BadParameter(f"directory {str(parent)!r} is not writable", param_hint="--json")

@@ -50,16 +50,17 @@ def _params(opts: dict):
 class Runner:
     """A loaded model (and optional draft) that generates with the CLI's options and prints metrics."""
 
-    def __init__(self, model_spec, opts: dict):
+    def __init__(self, model_spec, opts: dict, params=None):
         from quantkit.runtime.loader import load, load_tokenizer
 
+        params = params or _params(opts)  # bad options fail before minutes of loading
         self.model = load(model_spec, dtype=opts.get("dtype"))
         self.tokenizer = load_tokenizer(model_spec)
         self.draft = load(opts["draft"], dtype=opts.get("dtype")) if opts.get("draft") else None
         lines = dict.fromkeys(m.quantkit_compute.describe() for m in (self.model, self.draft) if m is not None)
         for line in lines:  # once per distinct choice
             click.echo(line, err=True)
-        self.opts, self.params = opts, _params(opts)
+        self.opts, self.params = opts, params
         self.kv = None if opts["kv_cache_dtype"] == "auto" else opts["kv_cache_dtype"]
 
     def run(self, ids: list[int]):
@@ -80,6 +81,22 @@ class Runner:
         click.echo(f"[{len(result.token_ids)} tokens, finish: {result.finish_reason}, TTFT {result.ttft_seconds * 1e3:.0f} ms "
                    f"({result.prompt_tokens} prompt tokens), {tpot}{extra}]", err=True)
         return result
+
+
+def _check_model_not_prompt(spec: str) -> None:
+    """`quantkit generate "Once upon a time"`: one argument that names no model is reported as a
+    prompt given without a model, not as a missing directory."""
+    from quantkit.errors import ModelNotFoundError
+    from quantkit.models.resolve import DEFAULT_MODEL, resolve_model
+
+    try:
+        resolve_model(spec)
+    except ModelNotFoundError as exc:
+        if " " in spec.strip() or not any(c in spec for c in "/.~"):
+            raise ModelNotFoundError(
+                f"{spec!r} is not a model (no such directory, demo model or hub id); to use it as the prompt, "
+                f"name the model first: quantkit generate {DEFAULT_MODEL} {spec!r}") from exc
+        raise
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -103,7 +120,13 @@ def command(model, prompt, chat, **opts):
       quantkit generate smollm2-135m "Write a haiku about tea" --chat -t 0.7 --top-p 0.9 --stop "\\n\\n"
       quantkit generate smollm2-135m "Once upon a time" --draft ./smollm2-w4
     """
-    runner = Runner(model, opts)
+    params = _params(opts)
+    if prompt is not None and not prompt.strip():
+        raise click.BadParameter("the prompt is empty; give some text, or leave PROMPT out for the default "
+                                 f"({DEFAULT_PROMPT!r})", param_hint="PROMPT")
+    if prompt is None and model is not None:
+        _check_model_not_prompt(model)
+    runner = Runner(model, opts, params)
     prompt = prompt if prompt is not None else DEFAULT_PROMPT
     if chat:
         ids = chat_ids(runner.tokenizer, [{"role": "user", "content": prompt}])
@@ -122,7 +145,7 @@ def chat_command(model, system, **opts):
 
     Type a message and press Enter; an empty line or /exit ends, /reset forgets the history.
     """
-    runner = Runner(model, opts)
+    runner = Runner(model, opts, _params(opts))
     messages = [{"role": "system", "content": system}] if system else []
     chat_ids(runner.tokenizer, [{"role": "user", "content": "hi"}])  # fail now if there is no template
     while True:

@@ -14,7 +14,16 @@ import click
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field, e.g. stages.0.scheme.group_size=64 (repeatable).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @click.option("--no-progress", is_flag=True, help="Hide the per-layer progress bar.")
-def command(model, recipe_name, output, overrides, overwrite, no_progress):
+@click.option("--zero-nonfinite", is_flag=True, help="Replace NaN/Inf in the source weights with 0 (said loudly) instead of refusing.")
+@click.option("--load", "load_mode", type=click.Choice(["layers", "whole"]), default="layers", show_default=True,
+              help="layers: read each decoder layer from disk just before its turn and write it out right after "
+                   "(memory: about one layer); whole: load the model into memory first. Same files either way.")
+@click.option("--max-shard-size", default=2.0, show_default=True, type=click.FloatRange(min=0.001),
+              help="GB per output safetensors shard (an index json lists them).")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Keep the source config's auto_map and copy its .py files (quantkit itself never runs them).")
+def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_nonfinite, load_mode, max_shard_size,
+            trust_remote_code):
     """Quantize MODEL (local directory, demo name or hub id; default smollm2-135m).
 
     \b
@@ -22,13 +31,18 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress):
       quantkit quantize --recipe rtn-w4a16 --set stages.0.scheme.group_size=64
       quantkit quantize ./my-llama --recipe rtn-w8a16 -o ./my-llama-w8
       quantkit quantize gemma3-270m --recipe my-recipe.yaml --overwrite
+
+    --overwrite replaces only an earlier quantkit output (or an empty directory), never the current
+    or home directory, the source model, or a directory holding files quantkit did not write.
     """
     from quantkit.quantize import quantize
     from quantkit.recipe import load_recipe
 
     recipe = load_recipe(recipe_name, list(overrides))
     report = quantize(model, recipe, output, overwrite=overwrite, progress=not no_progress,
-                      notify=lambda line: click.echo(line, err=True))
+                      notify=lambda line: click.echo(line, err=True), zero_nonfinite=zero_nonfinite,
+                      trust_remote_code=trust_remote_code, load_mode=load_mode,
+                      max_shard_bytes=int(max_shard_size * 1e9))
     layers = report.result.layers
     click.echo(f"Quantized {len(layers)} linear layers of {report.source} with recipe {recipe.name} "
                f"in {report.seconds:.1f} s")

@@ -1,40 +1,94 @@
-"""Evaluate several checkpoints on one text and tabulate perplexity deltas against the first."""
+"""Evaluate several checkpoints on one text and tabulate perplexity deltas against the first.
+
+Everything that can fail cheaply is checked for every model before any is scored (the model
+directories, their tokenizers, the window length against each context limit, the number of tokens
+that would be scored), so a bad last argument never discards minutes of work on the first.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
+import torch
+
 from quantkit.calibration.data import load_text, tokenize
-from quantkit.eval.ppl import perplexity
+from quantkit.errors import CalibrationDataError, CheckpointError
+from quantkit.eval.ppl import perplexity, windows
 from quantkit.registry import ARCHITECTURES
+
+MIN_SCORED_TOKENS = 100  # a perplexity over fewer tokens is noise, not a measurement
+
+
+@dataclass
+class Prepared:
+    """A model checked and its evaluation text tokenized, before any weights are read."""
+
+    spec: str
+    path: Path
+    ids: torch.Tensor  # [n] token ids of the text
+    bos: Optional[int]  # prepended to every window (Gemma), or None
+
+
+def prepare(model_spec: str, text: str, seq_len: int, max_windows: Optional[int],
+            min_tokens: int = MIN_SCORED_TOKENS) -> Prepared:
+    """Resolve `model_spec`, read its config and tokenizer, tokenize `text` and check the windows."""
+    from quantkit.formats.checkpoint import read_config
+    from quantkit.models.resolve import resolve_model
+    from quantkit.runtime.loader import load_tokenizer
+
+    path = resolve_model(model_spec)
+    raw = read_config(path)
+    limit = raw.get("max_position_embeddings") or (raw.get("text_config") or {}).get("max_position_embeddings")
+    if isinstance(limit, int) and seq_len > limit:
+        raise CheckpointError(f"--seq-len {seq_len} is longer than the context of {model_spec} ({limit} tokens); "
+                              f"use --seq-len {limit} or less")
+    tokenizer = load_tokenizer(path)
+    model_type = raw.get("model_type", "?")
+    needs_bos = model_type in ARCHITECTURES and ARCHITECTURES.get(model_type).needs_bos
+    bos = tokenizer.bos_token_id if needs_bos else None
+    ids = tokenize(tokenizer, text)
+    scored = windows(ids, seq_len, max_windows, bos).shape[0] * (seq_len - 1)
+    if scored < min_tokens:
+        raise CalibrationDataError(
+            f"only {scored} tokens of the text would be scored for {model_spec}; a perplexity over fewer than "
+            f"{min_tokens} is noise. Use a longer text, a larger --seq-len or --max-windows")
+    return Prepared(model_spec, path, ids, bos)
 
 
 def evaluate_one(model_spec: str, text: str, seq_len: int, max_windows: Optional[int], progress: bool,
-                 kv_cache_dtype: Optional[str] = None, dtype: str = "float32") -> dict:
-    """dtype: float32 (the protocol) or another compute dtype / "auto" (`quantkit.compute`)."""
-    from quantkit.runtime.loader import load, load_tokenizer
+                 kv_cache_dtype: Optional[str] = None, dtype: str = "float32",
+                 prepared: Optional[Prepared] = None) -> dict:
+    """One model's row. dtype: float32 (the protocol) or another compute dtype / "auto" (`quantkit.compute`).
+    A non-finite perplexity gives ppl None and an `error` saying so."""
+    from quantkit.runtime.loader import load
 
-    model = load(model_spec, dtype=dtype)
-    tokenizer = load_tokenizer(model_spec)
-    model_type = model.config.model_type
-    needs_bos = model_type in ARCHITECTURES and ARCHITECTURES.get(model_type).needs_bos
-    bos = tokenizer.bos_token_id if needs_bos else None
-    res = perplexity(model, tokenize(tokenizer, text), seq_len, max_windows, bos, progress, kv_cache_dtype)
-    return {"model": model_spec, "ppl": res.ppl, "nll": res.nll, "tokens": res.tokens,
-            "windows": res.windows, "bos": bos is not None, "seconds": round(res.seconds, 2),
-            "dtype": model.quantkit_compute.name, "compute": model.quantkit_compute.describe()}
+    p = prepared or prepare(model_spec, text, seq_len, max_windows, min_tokens=1)
+    model = load(p.path, dtype=dtype)
+    res = perplexity(model, p.ids, seq_len, max_windows, p.bos, progress, kv_cache_dtype)
+    row = {"model": model_spec, "ppl": res.ppl, "nll": res.nll, "tokens": res.tokens,
+           "windows": res.windows, "bos": p.bos is not None, "seconds": round(res.seconds, 2),
+           "dtype": model.quantkit_compute.name, "compute": model.quantkit_compute.describe()}
+    if not math.isfinite(res.nll):
+        row.update(ppl=None, nll=None, error=f"non-finite perplexity ({res.nll}): the model's logits hold NaN/Inf")
+    return row
 
 
 def evaluate_many(models: list[str], dataset: str, text_column: str, seq_len: int,
                   max_windows: Optional[int], progress: bool = True, kv_cache_dtype: Optional[str] = None,
-                  dtype: str = "float32") -> list[dict]:
-    """One row per model; rows after the first carry deltas against the first (the baseline)."""
-    text = load_text(dataset, text_column)
-    rows = [evaluate_one(m, text, seq_len, max_windows, progress, kv_cache_dtype, dtype) for m in models]
+                  dtype: str = "float32", encoding: str = "utf-8") -> list[dict]:
+    """One row per model; rows after the first carry deltas against the first (the baseline).
+    Every model is checked (`prepare`) before the first is scored."""
+    text = load_text(dataset, text_column, encoding)
+    prepared = [prepare(m, text, seq_len, max_windows) for m in models]
+    rows = [evaluate_one(p.spec, text, seq_len, max_windows, progress, kv_cache_dtype, dtype, p) for p in prepared]
     base = rows[0]["ppl"]
     for row in rows:
-        row["delta"] = row["ppl"] - base
-        row["delta_pct"] = 100.0 * (row["ppl"] / base - 1.0)
+        ok = base is not None and row["ppl"] is not None
+        row["delta"] = row["ppl"] - base if ok else None
+        row["delta_pct"] = 100.0 * (row["ppl"] / base - 1.0) if ok else None
     return rows
 
 
@@ -42,7 +96,10 @@ def format_table(rows: list[dict]) -> str:
     width = max(len("model"), *(len(r["model"]) for r in rows))
     lines = [f"{'model':<{width}}  {'ppl':>9}  {'delta':>9}  {'delta %':>8}  {'tokens':>7}  {'seconds':>7}"]
     for i, r in enumerate(rows):
-        delta = "(baseline)" if i == 0 else f"{r['delta']:+9.3f}"
-        pct = "" if i == 0 else f"{r['delta_pct']:+7.2f}%"
+        if r["ppl"] is None:
+            lines.append(f"{r['model']:<{width}}  {'ERROR':>9}  {r['error']}")
+            continue
+        delta = "(baseline)" if i == 0 else ("-" if r["delta"] is None else f"{r['delta']:+9.3f}")
+        pct = "" if i == 0 or r["delta_pct"] is None else f"{r['delta_pct']:+7.2f}%"
         lines.append(f"{r['model']:<{width}}  {r['ppl']:9.3f}  {delta:>9}  {pct:>8}  {r['tokens']:7d}  {r['seconds']:7.1f}")
     return "\n".join(lines)

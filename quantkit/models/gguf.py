@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import torch
 
+from quantkit import __version__
 from quantkit.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -26,7 +28,7 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
         raise CheckpointError(f"GGUF file {str(gguf_file)!r} does not exist")
-    check_output_free(Path(out), overwrite)
+    check_output_free(Path(out), overwrite, protect=[gguf_file])
     try:
         import gguf  # noqa: F401
     except ImportError:
@@ -35,7 +37,7 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
         loaded = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     except Exception as exc:
-        raise CheckpointError(f"{gguf_file}: not a GGUF model transformers can read ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{gguf_file}: not a GGUF model transformers can read ({type(exc).__name__}: {exc})") from exc
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -47,7 +49,10 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
     model.tie_weights()
     with _tokenizer_dir(tokenizer) as tok_dir:
         model.generation_config.save_pretrained(tok_dir)
-        export_checkpoint(model, Path(out), storage_dtype=dtype, source=tok_dir, overwrite=overwrite)
+        marker = {"quantkit_version": __version__, "converted_from": str(gguf_file.resolve()),
+                  "dtype": str(dtype).removeprefix("torch.")}
+        export_checkpoint(model, Path(out), storage_dtype=dtype, source=tok_dir, overwrite=overwrite,
+                          protect=[gguf_file], extra_files={"quantkit.json": json.dumps(marker, indent=2) + "\n"})
     log.info("converted %s -> %s", gguf_file, out)
     return Path(out)
 

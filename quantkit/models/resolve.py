@@ -54,5 +54,5 @@ def _download_from_hub(repo_id: str) -> Path:
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no details'}). "
             "This machine may be offline: download the model where there is network access and pass "
             "its local directory instead."
-        ) from None
+        ) from exc
     return Path(local)

@@ -33,9 +33,10 @@ class QuantizedWeight:
 
 def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     out, inp = w.shape
-    groups = scheme.group_count(inp)
-    assert inp % groups == 0, f"in_features {inp} not divisible into {groups} groups"
-    return w.reshape(out, groups, inp // groups)  # [out, groups, group_size]
+    size = inp if scheme.strategy == "channel" else scheme.group_size
+    if inp % size:
+        raise ValueError(f"group_size {size} does not divide in_features {inp}")
+    return w.reshape(out, inp // size, size)  # [out, groups, group_size]
 
 
 def compute_qparams(

@@ -19,14 +19,13 @@ from quantkit import compute
 from quantkit.arch.adapter import checkpoint_namer, find_adapter
 from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
-from quantkit.formats.checkpoint import iter_tensors, read_config
+from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, iter_tensors, read_config
 from quantkit.formats.compressed_tensors import LoadPlan, parse_quantization_config
 from quantkit.models.resolve import resolve_model
 from quantkit.runtime.fp8linear import plan_dense_cache
 from quantkit.runtime.kv_cache import attention_modules
 
 log = logging.getLogger(__name__)
-IGNORED_EXTRA_KEYS = ("rotary_emb.inv_freq",)  # written by old exporters, recomputed at init
 
 
 def checkpoint_dtype(config: dict) -> torch.dtype:
@@ -51,7 +50,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     plan = parse_quantization_config(qc, f"{path}/config.json") if qc else None
     choice = _compute_choice(dtype, checkpoint_dtype(raw))
     dtype = choice.dtype
-    config = AutoConfig.from_pretrained(path)  # never trust_remote_code: unknown types fail here
+    config = model_config(path, raw)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # we build quantized modules ourselves
     with init_empty_weights(include_buffers=False):
@@ -80,6 +79,22 @@ def _compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype) 
         return compute.ComputeChoice(dtype, "cpu", f"dtype={str(dtype).removeprefix('torch.')} asked for",
                                      "setting")
     return compute.choose(storage, "cpu", dtype or "auto", "dtype")
+
+
+def model_config(path: Path, raw: dict):
+    """transformers' config for the checkpoint; never with trust_remote_code, so an architecture
+    transformers does not know is a clear error here."""
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as exc:
+        model_type = raw.get("model_type", "?")
+        from quantkit.registry import ARCHITECTURES
+
+        remote = " (its config points at remote code, which quantkit never runs)" if raw.get("auto_map") else ""
+        raise CheckpointError(
+            f"{path}: model_type {model_type!r} is not an architecture this transformers knows{remote}; "
+            f"quantkit runs transformers' built-in architectures, and quantizes {', '.join(ARCHITECTURES.names())}"
+            f" ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
 
 
 def prepare_kernels(model: nn.Module, dtype: torch.dtype) -> dict[str, int]:
@@ -183,4 +198,4 @@ def load_tokenizer(path: Union[str, Path, None]):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:
-        raise CheckpointError(f"{path}: no usable tokenizer ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{path}: no usable tokenizer ({type(exc).__name__}: {exc})") from exc

@@ -1,0 +1,55 @@
+"""NaN/Inf checks: source weights before quantizing (refused, or zeroed when asked, loudly) and
+every float tensor before a checkpoint is written."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantizationError
+
+ZERO_FLAG = "--zero-nonfinite"
+
+
+def find_nonfinite(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, int, int]]:
+    """(name, non-finite count, numel) of every float tensor holding NaN or Inf (FP8 codes included)."""
+    bad = []
+    for name, t in tensors:
+        if t.is_floating_point() and t.device.type != "meta":
+            finite = torch.isfinite(t if t.element_size() >= 2 else t.float())
+            if not bool(finite.all()):
+                bad.append((name, int((~finite).sum()), t.numel()))
+    return bad
+
+
+def _listing(bad: list[tuple[str, int, int]], n: int = 6) -> str:
+    return ", ".join(f"{name} ({count} of {numel})" for name, count, numel in bad[:n]) + (" ..." if len(bad) > n else "")
+
+
+def check_source(model: nn.Module, zero: bool, notify: Callable[[str], None]) -> list[str]:
+    """Refuse a model whose parameters hold NaN/Inf, naming them; with `zero`, set those values to 0
+    and say so. Returns the names of the tensors zeroed."""
+    bad = find_nonfinite(model.state_dict().items())
+    if not bad:
+        return []
+    if not zero:
+        raise QuantizationError(
+            f"the source weights hold NaN/Inf values in {len(bad)} tensor(s): {_listing(bad)}; quantizing them "
+            f"would hide the damage in a healthy-looking checkpoint. Fix the source, or pass {ZERO_FLAG} to "
+            "replace those values with 0")
+    state = model.state_dict()
+    for name, _, _ in bad:
+        t = state[name]
+        t.data.copy_(torch.nan_to_num(t.data, nan=0.0, posinf=0.0, neginf=0.0))
+    notify(f"WARNING: {ZERO_FLAG}: replaced NaN/Inf with 0 in {len(bad)} tensor(s): {_listing(bad)}")
+    return [name for name, _, _ in bad]
+
+
+def check_output(tensors: dict[str, torch.Tensor], what: str = "the checkpoint to write") -> None:
+    """Raise naming every tensor of `tensors` that holds NaN or Inf (scales, codes, weights)."""
+    bad = find_nonfinite(tensors.items())
+    if bad:
+        raise QuantizationError(f"{what} holds NaN/Inf values in {len(bad)} tensor(s): {_listing(bad)}; "
+                                "nothing was written")

@@ -1,0 +1,163 @@
+"""Layer-by-layer onloading for the quantize job: neither the float nor the quantized model is ever
+whole in memory.
+
+The model is an empty (meta) skeleton. A decoder layer's tensors are read from the memory-mapped
+checkpoint just before its turn (`load_layer`); once quantized, its tensors go to the output
+shards and the layer is emptied again (`finish_layer`). Tensors outside the decoder layers
+(embeddings, final norm, LM head) are copied one by one, before and after the layers in state-dict
+order, so the shards hold exactly what a whole-model export of the same model would write.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from quantkit.arch.adapter import ArchitectureAdapter
+from quantkit.arch.moe import unfuse_experts
+from quantkit.errors import CheckpointError, QuantizationError
+from quantkit.finite import ZERO_FLAG, find_nonfinite
+from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, ShardWriter
+from quantkit.formats.lazy import LazyCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+def skeleton(config, dtype: torch.dtype) -> PreTrainedModel:
+    """The model with every parameter on meta (no memory), MoE experts as one linear each."""
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    unfuse_experts(model)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()  # from_config leaves a meta model untied
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _stored(t: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """A tensor as the checkpoint keeps it: wide floats in the storage dtype (FP8 codes as they are)."""
+    return t.to(storage) if t.is_floating_point() and t.element_size() >= 2 else t
+
+
+class OnloadedModel:
+    """The pipeline's layer store (see `pipeline.quantize_model`) for a skeleton over a checkpoint."""
+
+    def __init__(self, model: PreTrainedModel, source: Path, adapter: ArchitectureAdapter, dtype: torch.dtype,
+                 storage_dtype: torch.dtype):
+        self.model, self.adapter, self.dtype, self.storage = model, adapter, dtype, storage_dtype
+        self.ckpt = LazyCheckpoint(source, adapter.to_module_name)
+        self.zeroed: set[str] = set()
+        self.writer: ShardWriter | None = None
+        self.namer = adapter.to_checkpoint_name
+        layers = adapter.layers_path + "."
+        self.head, self.tail, self._tied = [], [], {}
+        seen: dict[int, str] = {}
+        in_layers = False
+        for key, t in model.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                self._tied[key] = seen[id(t)]
+            seen.setdefault(id(t), key)
+            if key.startswith(layers):
+                in_layers = True
+            else:
+                (self.tail if in_layers else self.head).append(key)
+        expected = set(model.state_dict())
+        unexpected = [self.ckpt.stored_name(k) for k in self.ckpt.keys()
+                      if k not in expected and not k.endswith(IGNORED_EXTRA_KEYS)]
+        if unexpected:
+            raise CheckpointError(f"{source}: tensors that this model does not have: {', '.join(unexpected[:8])}"
+                                  + (" ..." if len(unexpected) > 8 else ""))
+
+    # -- checks before the work ------------------------------------------------------------------
+
+    def check_finite(self, zero: bool, notify: Callable[[str], None]) -> list[str]:
+        """Read every source tensor once: NaN/Inf are refused naming the tensors, or zeroed (`zero`) as
+        each tensor is loaded later, and said so."""
+        bad = find_nonfinite(self.ckpt.items())
+        if not bad:
+            return []
+        listing = ", ".join(f"{n} ({c} of {m})" for n, c, m in bad[:6]) + (" ..." if len(bad) > 6 else "")
+        if not zero:
+            raise QuantizationError(
+                f"the source weights hold NaN/Inf values in {len(bad)} tensor(s): {listing}; quantizing them "
+                f"would hide the damage in a healthy-looking checkpoint. Fix the source, or pass {ZERO_FLAG} to "
+                "replace those values with 0")
+        self.zeroed = {n for n, _, _ in bad}
+        notify(f"WARNING: {ZERO_FLAG}: replaced NaN/Inf with 0 in {len(bad)} tensor(s): {listing}")
+        return sorted(self.zeroed)
+
+    # -- tensors in and out ----------------------------------------------------------------------
+
+    def _get(self, key: str) -> torch.Tensor:
+        t = self.ckpt.get(key)
+        if key in self.zeroed:
+            t = torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+        return t.to(self.dtype) if t.is_floating_point() else t
+
+    def _materialize(self, module: nn.Module, prefix: str) -> None:
+        state = {}
+        for rel, slot in module.state_dict(keep_vars=True).items():
+            t = self._get(prefix + rel)
+            if t.shape != slot.shape:
+                raise CheckpointError(f"tensor {self.namer(prefix + rel)}: shape {tuple(t.shape)} in the checkpoint, "
+                                      f"{tuple(slot.shape)} expected by the config")
+            state[rel] = t
+        module.load_state_dict(state, assign=True, strict=True)
+        module.requires_grad_(False)
+
+    def _write(self, key: str, t: torch.Tensor) -> None:
+        t = _stored(t, self.storage)
+        bad = find_nonfinite([(key, t)])
+        if bad:
+            raise QuantizationError(f"the checkpoint to write holds NaN/Inf values in {self.namer(key)} "
+                                    f"({bad[0][1]} of {bad[0][2]}); nothing was written")
+        assert self.writer is not None, "begin(writer) first"
+        self.writer.add(self.namer(key), t)
+
+    def _write_outside(self, keys: list[str]) -> None:
+        tie = getattr(self.model.config, "tie_word_embeddings", False)
+        for key in keys:
+            if key in self.ckpt:
+                self._write(key, self._get(key))
+            elif key in self._tied and tie:
+                continue  # e.g. lm_head.weight tied to the embeddings: stored once
+            else:
+                raise CheckpointError(f"{self.ckpt.path}: tensors missing from the checkpoint: {self.namer(key)}")
+
+    def _embedding_owner(self) -> tuple[nn.Module, str]:
+        emb = self.model.get_input_embeddings()
+        name = next(n for n, m in self.model.named_modules() if m is emb)
+        return emb, name + "."
+
+    # -- the pipeline's hooks --------------------------------------------------------------------
+
+    def begin(self, writer: ShardWriter, needs_embeddings: bool) -> None:
+        """Write the tensors before the decoder layers; keep the embeddings when calibration runs."""
+        self.writer = writer
+        self._write_outside(self.head)
+        if needs_embeddings:
+            emb, prefix = self._embedding_owner()
+            self._materialize(emb, prefix)
+
+    def load_layer(self, index: int, layer: nn.Module) -> None:
+        self._materialize(layer, f"{self.adapter.layers_path}.{index}.")
+
+    def finish_layer(self, index: int, layer: nn.Module) -> None:
+        """Write the (now quantized) layer's tensors and empty it."""
+        prefix = f"{self.adapter.layers_path}.{index}."
+        for rel, t in layer.state_dict().items():
+            self._write(prefix + rel, t)
+        layer.to("meta")
+
+    def end(self) -> None:
+        """Write the tensors after the decoder layers and drop the embeddings."""
+        self._write_outside(self.tail)
+        emb, _ = self._embedding_owner()
+        emb.to("meta")
