@@ -13,7 +13,8 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import reduce
-from typing import Optional, Protocol
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
@@ -66,15 +67,21 @@ class QuantizationResult:
     kv_scales: list[dict] = field(default_factory=list)  # per layer: k_scale, v_scale
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over layers
+    on_phase: Optional[Callable[[str], None]] = None  # told each phase as it starts (the progress bar)
 
     def add_seconds(self, phase: str, seconds: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
-    def add_time(self, phase: str, since: float) -> float:
-        """Charge the time since `since` to `phase`; returns now, for the next phase."""
-        now = time.perf_counter()
-        self.add_seconds(phase, now - since)
-        return now
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block and charge it to phase `name`."""
+        if self.on_phase is not None:
+            self.on_phase(name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_seconds(name, time.perf_counter() - start)
 
 
 def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe) -> list[Stage]:
@@ -201,39 +208,39 @@ def quantize_model(
     if needs_data and not batches:
         raise QuantizationError("a stage needs calibration data but no calibration batches were given")
     result = QuantizationResult()
-    inputs = capture_layer_inputs(model, layers, batches) if needs_data else None
-    result.add_time("capture layer inputs", start)
+    with result.phase("capture layer inputs"):
+        inputs = capture_layer_inputs(model, layers, batches) if needs_data else None
     notes: dict[str, dict] = {}  # what transforms report per linear, logged when it is quantized
-    for li in tqdm(range(len(layers)), desc="quantizing layers", unit="layer", disable=not progress):
+    bar = tqdm(range(len(layers)), desc="quantizing layers", unit="layer", disable=not progress)
+    result.on_phase = lambda name: bar.set_postfix_str(name, refresh=True)
+    for li in bar:
         prefix = f"{adapter.layers_path}.{li}."
         if store is not None:
-            t = time.perf_counter()
-            store.load_layer(li, layers[li])
-            result.add_time("load layer", t)
+            with result.phase("load layer"):
+                store.load_layer(li, layers[li])
         packed: dict[str, nn.Module] = {}
         for stage in stages:
             names = [n for n in stage.modules if n.startswith(prefix)]
             if names:
                 packed.update(_run_stage(model, layers[li], li, stage, names, adapter, inputs, scale_dtype, result, notes))
         for stage in filter(_observes_attention, stages):  # after the weights: K/V as the quantized layer makes them
-            t = time.perf_counter()
-            report = stage.algorithm.calibrate_layer(layers[li], adapter.attention, inputs.hidden, inputs.kwargs[li],
-                                                     scale_dtype)
+            with result.phase(f"{stage.spec.algorithm}: calibrate"):
+                report = stage.algorithm.calibrate_layer(layers[li], adapter.attention, inputs.hidden,
+                                                         inputs.kwargs[li], scale_dtype)
             result.kv_scales.append({"layer": li, **report})
             result.kv_cache_scheme = stage.algorithm.scheme_config()
-            result.add_time(f"{stage.spec.algorithm}: calibrate", t)
         if inputs is not None and li < len(layers) - 1:
-            t = time.perf_counter()
-            inputs.hidden = run_layer(layers[li], inputs.hidden, inputs.kwargs[li])
+            with result.phase("forward quantized layer (next inputs)"):
+                inputs.hidden = run_layer(layers[li], inputs.hidden, inputs.kwargs[li])
             inputs.kwargs[li] = []  # this layer's arguments are no longer needed
-            result.add_time("forward quantized layer (next inputs)", t)
         for name, module in packed.items():
             model.set_submodule(name, module)
         if store is not None:
-            t = time.perf_counter()
-            store.finish_layer(li, layers[li])
-            result.add_time("write layer", t)
+            with result.phase("write layer"):
+                store.finish_layer(li, layers[li])
         release_free_memory()
+    result.on_phase = None
+    bar.close()
     result.seconds = time.perf_counter() - start
     return result
 
@@ -249,15 +256,13 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
     groups = _groups(names, adapter, prefix)
     algorithm = stage.algorithm
     if not algorithm.produces_weights:
-        t = time.perf_counter()
         ctx = LayerContext(layer, prefix, linears, {n: stage.schemes[n] for n in names},
                            inputs.hidden if inputs else [], inputs.kwargs[li] if inputs else [], adapter, scale_dtype)
-        with all_experts_see_tokens(layer):
+        with result.phase(f"{stage.spec.algorithm}: transform"), all_experts_see_tokens(layer):
             algorithm.transform_layer(ctx)
         for name, note in algorithm.report.items():
             notes.setdefault(name, {}).update(note)
         algorithm.report.clear()
-        result.add_time(f"{stage.spec.algorithm}: transform", t)
         return {}
     algorithm.begin_layer(linears, groups)
     # one algorithm per scheme (layers with a fallback group size): views sharing the statistics, made
@@ -273,18 +278,25 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
             algorithm.observe(name, x)
             observe_time[0] += time.perf_counter() - t0
 
-        t = time.perf_counter()
-        with all_experts_see_tokens(layer):
+        with result.phase(f"{stage.spec.algorithm}: calibration forward"), all_experts_see_tokens(layer):
             observe_layer(layer, inputs.hidden, inputs.kwargs[li], linears, observe)
-        forward = time.perf_counter() - t
-        result.add_seconds(f"{stage.spec.algorithm}: calibration forward", forward - observe_time[0])
+        # the statistics' share of the forward, charged to a phase of its own
+        result.add_seconds(f"{stage.spec.algorithm}: calibration forward", -observe_time[0])
         result.add_seconds(f"{stage.spec.algorithm}: observe (statistics)", observe_time[0])
-    t = time.perf_counter()
     quantized = {}
-    for scheme, algo in algorithms.items():
-        part = [g for g in groups if scheme_of[g[0]] == scheme]
-        quantized.update(algo.quantize_layer({n: linears[n] for g in part for n in g}, part, scale_dtype))
-    t = result.add_time(f"{stage.spec.algorithm}: quantize", t)
+    with result.phase(f"{stage.spec.algorithm}: quantize"):
+        for scheme, algo in algorithms.items():
+            part = [g for g in groups if scheme_of[g[0]] == scheme]
+            quantized.update(algo.quantize_layer({n: linears[n] for g in part for n in g}, part, scale_dtype))
+    with result.phase("pack and report"):
+        return _pack(stage, linears, quantized, notes, result)
+
+
+def _pack(stage: Stage, linears: dict[str, nn.Module], quantized: dict, notes: dict[str, dict],
+          result: QuantizationResult) -> dict[str, nn.Module]:
+    """Packed modules for the quantized weights, each float linear left holding its dequantized weight,
+    and a report row per linear."""
+    algorithm = stage.algorithm
     packed = {}
     for name, qw in quantized.items():
         fmt = format_for(qw.scheme)
@@ -301,5 +313,4 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
             **algorithm.report.pop(name, {}),
         })
         linear.weight.data = dequantized
-    result.add_time("pack and report", t)
     return packed

@@ -86,3 +86,16 @@ def test_eval_short_text(run, tiny_llama, tmp_path):
     f.write_text("Too short.")
     res = run("eval", "ppl", tiny_llama, "--dataset", f, "--seq-len", "64")
     assert res.exit_code == 2 and "fewer than one window of 64" in res.output
+
+
+def test_quantize_reports_peak_memory_and_where_the_time_went(run, tiny_llama, tmp_path):
+    out = tmp_path / "q"
+    res = run("quantize", tiny_llama, "--recipe", "gptq-w4a16", "--set", "stages.0.scheme.group_size=32",
+              "--set", "calibration.num_samples=2", "--set", "calibration.seq_len=32", "-o", out, "--no-progress")
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.output.splitlines() if ln.startswith("Peak memory"))
+    assert " GB resident (" in line and "time: gptq: " in line
+    meta = json.loads((out / "quantkit.json").read_text())
+    assert meta["peak_rss_bytes"] > 1e8 and meta["load"] == "layers"
+    assert {"load layer", "gptq: calibration forward", "gptq: quantize", "write layer"} <= set(meta["timings"])
+    assert all(v >= 0 for v in meta["timings"].values())

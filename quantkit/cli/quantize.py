@@ -63,4 +63,5 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
     fallbacks = [r["name"] for r in layers if r.get("fallback")]
     if fallbacks:
         click.echo(f"WARNING: {len(fallbacks)} layer(s) fell back to RTN: {', '.join(fallbacks)}", err=True)
+    click.echo(report.closing_line())
     click.echo(f"Wrote {report.output}")
