@@ -376,7 +376,7 @@ def test_disk_full_while_writing_leaves_nothing(tiny_llama, tmp_path, monkeypatc
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "save_file", full)
+    monkeypatch.setattr(checkpoint, "_copy_range", full)
     res = run("quantize", tiny_llama, "--recipe", "rtn-w4a16", "-o", tmp_path / "q", "--no-progress")
     assert res.exit_code == 2 and "No space left on device" in res.output and "nothing was written" in res.output
     assert list(tmp_path.iterdir()) == []

@@ -51,3 +51,44 @@ def test_matches_compressed_tensors_library():
     assert torch.equal(pack_int32(zp, 4, dim=0), ct.pack_to_int32(zp, 4, packed_dim=0))
     q8 = torch.randint(-128, 128, (4, 12), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
     assert torch.equal(pack_int32(q8, 8), ct.pack_to_int32(q8, 8))
+
+
+def test_streamed_shards_are_byte_for_byte_safetensors_files(tmp_path):
+    """The shard writer streams each tensor to disk as it comes and lays the file out itself: its bytes
+    must equal safetensors' own writer's for the same tensors (every dtype we write, names that sort in
+    tricky ways, and shards split by size)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from quantkit.formats.checkpoint import ST_DTYPES, ShardWriter
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i, (name, dtype) in enumerate(ST_DTYPES.items()):
+        shape = (3 + i, 2) if i % 2 else (5 + i,)
+        raw = torch.randint(0, 256, (torch.Size(shape).numel() * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+        t = raw.view(dtype).reshape(shape) if dtype != torch.bool else raw[: torch.Size(shape).numel()].remainder(2).bool().reshape(shape)
+        tensors[f"model.layers.{i}.{name.lower()}"] = t
+        tensors[f"model.layers.{i}_{name.lower()}"] = t.clone()  # "_" sorts after "."
+    one = tmp_path / "one"
+    one.mkdir()
+    writer = ShardWriter(one)
+    for k, t in tensors.items():
+        writer.add(k, t)
+    writer.close()
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (one / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    many = tmp_path / "many"
+    many.mkdir()
+    writer = ShardWriter(many, max_shard_bytes=100)
+    for k, t in tensors.items():
+        writer.add(k, t)
+    files = writer.close()
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    assert len(files) > 3 and sorted(index["weight_map"]) == sorted(tensors)
+    for f in files:  # each shard equals safetensors' file of the tensors it holds
+        held = {k: tensors[k] for k, v in index["weight_map"].items() if v == f.name}
+        save_file(held, str(tmp_path / "part.safetensors"), metadata={"format": "pt"})
+        assert f.read_bytes() == (tmp_path / "part.safetensors").read_bytes()
+    assert sorted(p.name for p in many.iterdir()) == sorted([f.name for f in files] + ["model.safetensors.index.json"])

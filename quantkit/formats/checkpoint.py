@@ -10,7 +10,6 @@ from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from quantkit.errors import CheckpointError
 
@@ -74,48 +73,99 @@ def read_config(path: Path) -> dict:
 
 
 DEFAULT_SHARD_BYTES = 2 << 30
+# safetensors' dtype names, and the order its writer lays tensors out in (this rank, then the name)
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
+ST_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+
+
+class _StreamedShard:
+    """One safetensors file built as tensors come: each tensor's bytes go to a data file at once (so
+    none is held), and `close` writes the header and the data in safetensors' own order, giving the
+    bytes `safetensors.torch.save_file` would write for the same tensors."""
+
+    def __init__(self, path: Path):
+        self.path, self.data_path = path, path.with_name(path.name + ".data")
+        self._data = open(self.data_path, "wb")
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}  # key -> (dtype, shape, start, nbytes)
+        self.nbytes = 0
+
+    def add(self, key: str, t: torch.Tensor) -> None:
+        if key in self.entries:
+            raise ValueError(f"tensor {key} written twice")
+        if t.dtype not in ST_NAMES:
+            raise ValueError(f"tensor {key}: dtype {t.dtype} cannot be written to safetensors here")
+        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._data.write(memoryview(raw))
+        self.entries[key] = (ST_NAMES[t.dtype], tuple(t.shape), self.nbytes, raw.nbytes)
+        self.nbytes += raw.nbytes
+
+    def close(self) -> None:
+        self._data.close()
+        order = sorted(self.entries, key=lambda k: (ST_ORDER.index(self.entries[k][0]), k))
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for key in order:
+            dtype, shape, _, nbytes = self.entries[key]
+            header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)
+        with open(self.path, "wb") as out, open(self.data_path, "rb") as src:
+            out.write(len(text).to_bytes(8, "little"))
+            out.write(text)
+            for key in order:
+                _copy_range(src, out, self.entries[key][2], self.entries[key][3])
+        os.unlink(self.data_path)
+
+
+def _copy_range(src, out, start: int, nbytes: int, chunk: int = 64 << 20) -> None:
+    src.seek(start)
+    while nbytes:
+        block = src.read(min(chunk, nbytes))
+        if not block:
+            raise OSError(f"{src.name}: ended early while writing {out.name}")
+        out.write(block)
+        nbytes -= len(block)
 
 
 class ShardWriter:
     """Writes tensors as they come into safetensors shards of at most `max_shard_bytes` (a tensor
     larger than that gets a shard of its own), then the index: one `model.safetensors` when a
-    single shard holds everything. Only the shard being filled is held in memory. A shard's bytes
-    depend only on which tensors it holds (safetensors orders them itself), so writing a model in
-    one go or layer by layer gives identical files."""
+    single shard holds everything. Each tensor goes to disk when it is added, so nothing is held
+    in memory; the files are byte for byte what safetensors' `save_file` writes for the same shards."""
 
     def __init__(self, out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
         self.out, self.max_shard_bytes = Path(out), max_shard_bytes
-        self._current: dict[str, torch.Tensor] = {}
-        self._size = 0
-        self._written: list[tuple[Path, list[str]]] = []  # (temporary file, keys)
+        self._shards: list[_StreamedShard] = []
         self.total_bytes = 0
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        if self._current and self._size + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._current[key] = tensor.contiguous()
-        self._size += nbytes
+        current = self._shards[-1] if self._shards else None
+        if current is None or (current.entries and current.nbytes + nbytes > self.max_shard_bytes):
+            if current is not None:
+                current.close()
+            current = _StreamedShard(self.out / f".shard-{len(self._shards) + 1:05d}.safetensors")
+            self._shards.append(current)
+        current.add(key, tensor)
         self.total_bytes += nbytes
 
-    def _flush(self) -> None:
-        path = self.out / f".shard-{len(self._written) + 1:05d}.safetensors"
-        save_file(self._current, str(path), metadata={"format": "pt"})
-        self._written.append((path, list(self._current)))
-        self._current, self._size = {}, 0
-
     def close(self) -> list[Path]:
-        """Write what is held, name the shards and write the index; returns the weight files."""
-        if self._current or not self._written:
-            self._flush()
-        if len(self._written) == 1:
-            os.replace(self._written[0][0], self.out / SINGLE_FILE)
+        """Finish the last shard, name the shards and write the index; returns the weight files."""
+        if not self._shards:
+            self._shards.append(_StreamedShard(self.out / ".shard-00001.safetensors"))
+        self._shards[-1].close()
+        if len(self._shards) == 1:
+            os.replace(self._shards[0].path, self.out / SINGLE_FILE)
             return [self.out / SINGLE_FILE]
-        n, weight_map, files = len(self._written), {}, []
-        for i, (path, keys) in enumerate(self._written):
+        n, weight_map, files = len(self._shards), {}, []
+        for i, shard in enumerate(self._shards):
             name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(path, self.out / name)
-            weight_map.update({k: name for k in keys})
+            os.replace(shard.path, self.out / name)
+            weight_map.update({k: name for k in shard.entries})
             files.append(self.out / name)
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2))

@@ -18,11 +18,8 @@ from typing import Callable, Iterator
 import torch
 
 from quantkit.errors import CheckpointError
+from quantkit.formats.checkpoint import ST_DTYPES as DTYPES
 from quantkit.formats.checkpoint import weight_files
-
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 

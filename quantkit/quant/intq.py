@@ -103,8 +103,15 @@ def rtn(w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype) -> Quant
     return QuantizedWeight(quantize(w, scale, zp, scheme), scale, zp, scheme)
 
 
+SQNR_CHUNK = 1 << 20  # elements per float64 slice: whole-matrix float64 copies of a 14336 x 4096 weight took ~1.9 GB
+
+
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB (higher is better)."""
-    ref = reference.double()
-    noise = (ref - approx.double()).pow(2).sum()
-    return float(10 * torch.log10(ref.pow(2).sum() / noise.clamp_min(1e-300)))
+    """Signal-to-quantization-noise ratio in dB (higher is better), in float64 one slice at a time."""
+    ref, app = reference.reshape(-1), approx.reshape(-1)
+    signal = noise = torch.zeros((), dtype=torch.float64)
+    for start in range(0, ref.numel(), SQNR_CHUNK):
+        r = ref[start : start + SQNR_CHUNK].double()
+        signal = signal + r.pow(2).sum()
+        noise = noise + (r - app[start : start + SQNR_CHUNK].double()).pow(2).sum()
+    return float(10 * torch.log10(signal / noise.clamp_min(1e-300)))
