@@ -24,7 +24,7 @@ from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, read_c
 from quantkit.formats.compressed_tensors import build_quantization_config
 from quantkit.models.resolve import resolve_model
 from quantkit.finite import check_source
-from quantkit.memory import PeakSampler, live_heap_bytes
+from quantkit.memory import PeakSampler
 from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_model
 from quantkit.recipe import Recipe
 from quantkit.onload import OnloadedModel, skeleton
@@ -41,16 +41,14 @@ class QuantizeReport:
     result: QuantizationResult
     seconds: float
     compute: compute.ComputeChoice
-    peak_rss_bytes: int = 0  # resident memory, sampled every few ms while the job ran
-    peak_allocated_bytes: int = 0  # live malloc'd bytes above the start (tensors), same sampling
+    peak_rss_bytes: int = 0  # resident memory, sampled every 20 ms while the job ran
 
     def closing_line(self) -> str:
         """Peak memory and where the time went (the largest phases)."""
         total = sum(self.result.timings.values()) or 1.0
         top = sorted(self.result.timings.items(), key=lambda kv: -kv[1])[:4]
         shares = ", ".join(f"{name} {100 * s / total:.0f}%" for name, s in top)
-        return (f"Peak memory {self.peak_rss_bytes / 1e9:.2f} GB resident ({self.peak_allocated_bytes / 1e9:.2f} GB "
-                f"allocated by the job); time: {shares}")
+        return f"Peak memory {self.peak_rss_bytes / 1e9:.2f} GB resident; time: {shares}"
 
 
 def default_output(source: Path, recipe: Recipe) -> Path:
@@ -111,16 +109,15 @@ def quantize(
     "whole": the model is loaded into memory first and exported at the end. Both write identical files."""
     if load_mode not in LOAD_MODES:
         raise QuantizationError(f"load mode {load_mode!r}: use one of {', '.join(LOAD_MODES)}")
-    with PeakSampler(0.005) as peak:
-        before = live_heap_bytes() or 0
+    with PeakSampler(0.02, live=False) as peak:  # resident memory only: cheap to read
         report = _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite, trust_remote_code,
-                           load_mode, max_shard_bytes, peak, before)
-    report.peak_rss_bytes, report.peak_allocated_bytes = peak.peak_rss, max(peak.peak - before, 0)
+                           load_mode, max_shard_bytes, peak)
+    report.peak_rss_bytes = peak.peak_rss
     return report
 
 
 def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite, trust_remote_code, load_mode,
-              max_shard_bytes, peak: PeakSampler, before: int) -> QuantizeReport:
+              max_shard_bytes, peak: PeakSampler) -> QuantizeReport:
     start = time.perf_counter()
     source = resolve_model(model_spec)
     out = Path(output) if output else default_output(source, recipe)
@@ -162,7 +159,6 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
             "quantize_seconds": round(result.seconds, 2),
             "timings": {k: round(v, 3) for k, v in result.timings.items()},
             "peak_rss_bytes": peak.peak_rss,  # so far: the files are written at the end of the job
-            "peak_allocated_bytes": max(peak.peak - before, 0),
             "group_size_fallbacks": fallbacks,
             "zeroed_nonfinite": zeroed,
             "layers": result.layers,

@@ -94,7 +94,7 @@ def test_quantize_reports_peak_memory_and_where_the_time_went(run, tiny_llama, t
               "--set", "calibration.num_samples=2", "--set", "calibration.seq_len=32", "-o", out, "--no-progress")
     assert res.exit_code == 0, res.output
     line = next(ln for ln in res.output.splitlines() if ln.startswith("Peak memory"))
-    assert " GB resident (" in line and "time: gptq: " in line
+    assert " GB resident; time: " in line and "gptq: " in line
     meta = json.loads((out / "quantkit.json").read_text())
     assert meta["peak_rss_bytes"] > 1e8 and meta["load"] == "layers"
     assert {"load layer", "gptq: calibration forward", "gptq: quantize", "write layer"} <= set(meta["timings"])
