@@ -100,10 +100,7 @@ def _some(names: list[str], n: int = 8) -> str:
 def check_writable(out: Path) -> Path:
     """Fail now, not after the work, if nothing can be created beside `out`; returns the directory
     that will hold it (the nearest existing ancestor when parents are still to be made)."""
-    parent = Path(out).expanduser().resolve().parent
-    existing = parent
-    while not existing.exists():
-        existing = existing.parent
+    existing = _existing_parent(out)
     if not existing.is_dir():
         raise OutputWriteError(f"output {str(out)!r}: {existing} is a file, not a directory")
     try:
@@ -115,9 +112,18 @@ def check_writable(out: Path) -> Path:
     return existing
 
 
+def _existing_parent(out: Path) -> Path:
+    """The nearest existing ancestor of `out`'s parent (where the output's directories would be made)."""
+    existing = Path(out).expanduser().resolve().parent
+    while not existing.exists():
+        existing = existing.parent
+    return existing
+
+
 def check_free_space(out: Path, needed_bytes: int, margin: float = 1.1) -> None:
-    """Fail now if the filesystem of `out` has less room than the output needs (with a margin)."""
-    where = check_writable(out)
+    """Fail now if the filesystem of `out` has less room than the output needs (with a margin);
+    `check_writable(out)` first."""
+    where = _existing_parent(out)
     free = shutil.disk_usage(where).free
     if free < needed_bytes * margin:
         raise OutputWriteError(

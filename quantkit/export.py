@@ -30,9 +30,13 @@ def export_tensors(model: nn.Module, storage_dtype: torch.dtype) -> dict[str, to
                 continue  # e.g. lm_head.weight tied to embed_tokens.weight
             t = t.clone()
         seen[ptr] = key
-        wide_float = t.is_floating_point() and t.element_size() >= 2  # FP8 codes are stored as they are
-        tensors[ckpt(key)] = t.to(storage_dtype) if wide_float else t
+        tensors[ckpt(key)] = as_stored(t, storage_dtype)
     return tensors
+
+
+def as_stored(t: torch.Tensor, storage_dtype: torch.dtype) -> torch.Tensor:
+    """A tensor as the checkpoint keeps it: wide floats in the storage dtype (FP8 codes as they are)."""
+    return t.to(storage_dtype) if t.is_floating_point() and t.element_size() >= 2 else t
 
 
 def export_checkpoint(

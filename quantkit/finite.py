@@ -28,10 +28,9 @@ def _listing(bad: list[tuple[str, int, int]], n: int = 6) -> str:
     return ", ".join(f"{name} ({count} of {numel})" for name, count, numel in bad[:n]) + (" ..." if len(bad) > n else "")
 
 
-def check_source(model: nn.Module, zero: bool, notify: Callable[[str], None]) -> list[str]:
-    """Refuse a model whose parameters hold NaN/Inf, naming them; with `zero`, set those values to 0
-    and say so. Returns the names of the tensors zeroed."""
-    bad = find_nonfinite(model.state_dict().items())
+def refuse_or_zero(bad: list[tuple[str, int, int]], zero: bool, notify: Callable[[str], None]) -> list[str]:
+    """For source tensors found by `find_nonfinite`: refuse them, naming them, or (`zero`) say loudly
+    that they will be zeroed. Returns the names to zero (the caller zeroes them)."""
     if not bad:
         return []
     if not zero:
@@ -39,12 +38,22 @@ def check_source(model: nn.Module, zero: bool, notify: Callable[[str], None]) ->
             f"the source weights hold NaN/Inf values in {len(bad)} tensor(s): {_listing(bad)}; quantizing them "
             f"would hide the damage in a healthy-looking checkpoint. Fix the source, or pass {ZERO_FLAG} to "
             "replace those values with 0")
-    state = model.state_dict()
-    for name, _, _ in bad:
-        t = state[name]
-        t.data.copy_(torch.nan_to_num(t.data, nan=0.0, posinf=0.0, neginf=0.0))
     notify(f"WARNING: {ZERO_FLAG}: replaced NaN/Inf with 0 in {len(bad)} tensor(s): {_listing(bad)}")
     return [name for name, _, _ in bad]
+
+
+def zero_nonfinite(t: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def check_source(model: nn.Module, zero: bool, notify: Callable[[str], None]) -> list[str]:
+    """Refuse a model whose parameters hold NaN/Inf, naming them; with `zero`, set those values to 0
+    and say so. Returns the names of the tensors zeroed."""
+    state = model.state_dict()
+    names = refuse_or_zero(find_nonfinite(state.items()), zero, notify)
+    for name in names:
+        state[name].data.copy_(zero_nonfinite(state[name].data))
+    return names
 
 
 def check_output(tensors: dict[str, torch.Tensor], what: str = "the checkpoint to write") -> None:

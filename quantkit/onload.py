@@ -1,8 +1,8 @@
 """Layer-by-layer onloading for the quantize job: neither the float nor the quantized model is ever
 whole in memory.
 
-The model is an empty (meta) skeleton. A decoder layer's tensors are read from the memory-mapped
-checkpoint just before its turn (`load_layer`); once quantized, its tensors go to the output
+The model is an empty (meta) skeleton. A decoder layer's tensors are read from the checkpoint
+(plain file reads, `formats.lazy`) just before its turn (`load_layer`); once quantized, its tensors go to the output
 shards and the layer is emptied again (`finish_layer`). Tensors outside the decoder layers
 (embeddings, final norm, LM head) are copied one by one, before and after the layers in state-dict
 order, so the shards hold exactly what a whole-model export of the same model would write.
@@ -21,8 +21,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from quantkit.arch.adapter import ArchitectureAdapter
 from quantkit.arch.moe import unfuse_experts
-from quantkit.errors import CheckpointError, QuantizationError
-from quantkit.finite import ZERO_FLAG, find_nonfinite
+from quantkit.errors import CheckpointError
+from quantkit.export import as_stored
+from quantkit.finite import check_output, find_nonfinite, refuse_or_zero, zero_nonfinite
 from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, ShardWriter
 from quantkit.formats.lazy import LazyCheckpoint
 
@@ -39,11 +40,6 @@ def skeleton(config, dtype: torch.dtype) -> PreTrainedModel:
     model.eval()
     model.requires_grad_(False)
     return model
-
-
-def _stored(t: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
-    """A tensor as the checkpoint keeps it: wide floats in the storage dtype (FP8 codes as they are)."""
-    return t.to(storage) if t.is_floating_point() and t.element_size() >= 2 else t
 
 
 class OnloadedModel:
@@ -80,17 +76,7 @@ class OnloadedModel:
     def check_finite(self, zero: bool, notify: Callable[[str], None]) -> list[str]:
         """Read every source tensor once: NaN/Inf are refused naming the tensors, or zeroed (`zero`) as
         each tensor is loaded later, and said so."""
-        bad = find_nonfinite(self.ckpt.items())
-        if not bad:
-            return []
-        listing = ", ".join(f"{n} ({c} of {m})" for n, c, m in bad[:6]) + (" ..." if len(bad) > 6 else "")
-        if not zero:
-            raise QuantizationError(
-                f"the source weights hold NaN/Inf values in {len(bad)} tensor(s): {listing}; quantizing them "
-                f"would hide the damage in a healthy-looking checkpoint. Fix the source, or pass {ZERO_FLAG} to "
-                "replace those values with 0")
-        self.zeroed = {n for n, _, _ in bad}
-        notify(f"WARNING: {ZERO_FLAG}: replaced NaN/Inf with 0 in {len(bad)} tensor(s): {listing}")
+        self.zeroed = set(refuse_or_zero(find_nonfinite(self.ckpt.items()), zero, notify))
         return sorted(self.zeroed)
 
     # -- tensors in and out ----------------------------------------------------------------------
@@ -98,7 +84,7 @@ class OnloadedModel:
     def _get(self, key: str) -> torch.Tensor:
         t = self.ckpt.get(key)
         if key in self.zeroed:
-            t = torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+            t = zero_nonfinite(t)
         return t.to(self.dtype) if t.is_floating_point() else t
 
     def _materialize(self, module: nn.Module, prefix: str) -> None:
@@ -113,13 +99,10 @@ class OnloadedModel:
         module.requires_grad_(False)
 
     def _write(self, key: str, t: torch.Tensor) -> None:
-        t = _stored(t, self.storage)
-        bad = find_nonfinite([(key, t)])
-        if bad:
-            raise QuantizationError(f"the checkpoint to write holds NaN/Inf values in {self.namer(key)} "
-                                    f"({bad[0][1]} of {bad[0][2]}); nothing was written")
+        name, t = self.namer(key), as_stored(t, self.storage)
+        check_output({name: t})
         assert self.writer is not None, "begin(writer) first"
-        self.writer.add(self.namer(key), t)
+        self.writer.add(name, t)
 
     def _write_outside(self, keys: list[str]) -> None:
         tie = getattr(self.model.config, "tie_word_embeddings", False)
