@@ -61,7 +61,8 @@ def write(out: Path, layers: int, shard_gb: float) -> None:
     print(f"wrote {out}: {sum(f.stat().st_size for f in files) / 1e9:.2f} GB in {len(files)} files")
 
 
-def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, out: Path) -> None:
+def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, out: Path, live: bool,
+             device: str) -> None:
     from quantkit import compute
     from quantkit.memory import PeakSampler, live_heap_bytes
     from quantkit.quantize import quantize as run
@@ -73,8 +74,8 @@ def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, 
     print(f"source {src}: {size / 1e9:.2f} GB; recipe {recipe.name} {' '.join(overrides) or ''}; load {load_mode}")
     base = live_heap_bytes() or 0
     start = time.perf_counter()
-    with PeakSampler(0.005) as peak:
-        report = run(str(src), recipe, out, overwrite=True, progress=False, load_mode=load_mode,
+    with PeakSampler(0.005, live=live) as peak:  # live: glibc's accounting too (slows the job a little)
+        report = run(str(src), recipe, out, overwrite=True, progress=False, load_mode=load_mode, device=device,
                      notify=lambda line: print(line, flush=True))
     wall = time.perf_counter() - start
     print(f"quantize: {report.compute.describe()}")
@@ -82,8 +83,10 @@ def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, 
     for phase, seconds in report.result.timings.items():
         print(f"  {phase:<42} {seconds:8.1f} s")
     out_size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
-    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB (sampled {peak.peak_rss / 1e9:.2f} GB); "
-          f"peak live allocations {(peak.peak - base) / 1e9:.2f} GB above the start")
+    live_line = f"; peak live allocations {(peak.peak - base) / 1e9:.2f} GB above the start" if live else ""
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB (sampled {peak.peak_rss / 1e9:.2f} GB)"
+          f"{live_line}")
+    print(report.closing_line())
     print(f"checkpoint {out_size / 1e9:.2f} GB ({out_size / size:.3f} of the source)")
     meta = json.loads((Path(out) / "quantkit.json").read_text())
     print(f"{len(meta['layers'])} linears quantized")
@@ -102,11 +105,14 @@ def main() -> None:
     q.add_argument("--set", dest="overrides", action="append", default=[])
     q.add_argument("--load", default="layers", choices=["layers", "whole"])
     q.add_argument("-o", "--output", type=Path, default=None)
+    q.add_argument("--live", action="store_true", help="Also sample glibc's live allocated bytes (every 5 ms).")
+    q.add_argument("--device", default="auto")
     args = parser.parse_args()
     if args.cmd == "write":
         write(args.dir, args.layers, args.shard_gb)
     else:
-        quantize(args.dir, args.recipe, args.overrides, args.load, args.output or args.dir.with_name(args.dir.name + "-q"))
+        quantize(args.dir, args.recipe, args.overrides, args.load, args.output or args.dir.with_name(args.dir.name + "-q"),
+                 args.live, args.device)
 
 
 if __name__ == "__main__":

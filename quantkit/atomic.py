@@ -24,7 +24,9 @@ from quantkit.errors import OutputExistsError, QuantkitError
 
 OUTPUT_MARKER = "quantkit.json"  # every quantkit output holds it
 WORK_MARKER = ".quantkit-work.json"  # inside a hidden work directory while it is being written
-WORK_KINDS = ("tmp", "old")  # .NAME.tmp-*: the output being written; .NAME.old-*: the output being replaced
+# .NAME.tmp-*: the output being written; .NAME.old-*: the output being replaced; .NAME.act-*: a run's scratch
+# files (calibration activations waiting on disk)
+WORK_KINDS = ("tmp", "old", "act")
 UNMARKED_GRACE_SECONDS = 600  # a work directory without a marker (older quantkit) is stale after this
 # what quantkit writes into an output directory (weights, config, recipe, report, tokenizer files)
 OUTPUT_FILES = ("config.json", OUTPUT_MARKER, "recipe.yaml", "model.safetensors", "model.safetensors.index.json",
@@ -221,6 +223,25 @@ def clean_stale_for(out: Path) -> list[str]:
     """Remove stale work directories of output `out` (called before a run writes it)."""
     out = Path(out).expanduser().resolve()
     return remove_stale(find_work_dirs(out.parent, out.name))
+
+
+@contextmanager
+def scratch_dir(out: Path, kind: str = "act") -> Iterator[Path]:
+    """A hidden, marked sibling of output `out` for a run's scratch files, removed when the block ends
+    (a crashed run's is removed by the next run for the same output, or by `quantkit clean`)."""
+    assert kind in WORK_KINDS
+    out = Path(out).expanduser().resolve()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        path = Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent))
+        _write_marker(path, out)
+    except OSError as exc:
+        raise OutputWriteError(f"cannot create a scratch directory next to {out}: {exc.strerror or exc}; "
+                               "choose a writable -o") from exc
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextmanager

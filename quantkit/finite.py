@@ -13,15 +13,23 @@ from quantkit.errors import QuantizationError
 ZERO_FLAG = "--zero-nonfinite"
 
 
+SLICE = 1 << 24  # elements checked at once: the check's own memory stays small whatever the tensor
+
+
 def find_nonfinite(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, int, int]]:
-    """(name, non-finite count, numel) of every float tensor holding NaN or Inf (FP8 codes included)."""
-    bad = []
+    """(name, non-finite count, numel) of every float tensor holding NaN or Inf (FP8 codes included).
+    A name may come several times in a row (a tensor read in pieces): its counts add up."""
+    counts: dict[str, list[int]] = {}
     for name, t in tensors:
         if t.is_floating_point() and t.device.type != "meta":
-            finite = torch.isfinite(t if t.element_size() >= 2 else t.float())
-            if not bool(finite.all()):
-                bad.append((name, int((~finite).sum()), t.numel()))
-    return bad
+            flat, bad = t.reshape(-1), 0
+            for start in range(0, flat.numel(), SLICE):
+                part = flat[start : start + SLICE]
+                bad += int((~torch.isfinite(part if part.element_size() >= 2 else part.float())).sum())
+            entry = counts.setdefault(name, [0, 0])
+            entry[0] += bad
+            entry[1] += t.numel()
+    return [(name, bad, numel) for name, (bad, numel) in counts.items() if bad]
 
 
 def _listing(bad: list[tuple[str, int, int]], n: int = 6) -> str:

@@ -51,6 +51,7 @@ class OnloadedModel:
         self.ckpt = LazyCheckpoint(source, adapter.to_module_name)
         self.zeroed: set[str] = set()
         self.writer: ShardWriter | None = None
+        self._hooks: list = []  # the embedding's row readers while calibrating
         self.namer = adapter.to_checkpoint_name
         layers = adapter.layers_path + "."
         self.head, self.tail, self._tied = [], [], {}
@@ -76,16 +77,18 @@ class OnloadedModel:
     def check_finite(self, zero: bool, notify: Callable[[str], None]) -> list[str]:
         """Read every source tensor once: NaN/Inf are refused naming the tensors, or zeroed (`zero`) as
         each tensor is loaded later, and said so."""
-        self.zeroed = set(refuse_or_zero(find_nonfinite(self.ckpt.items()), zero, notify))
+        self.zeroed = set(refuse_or_zero(find_nonfinite(self.ckpt.pieces()), zero, notify))
         return sorted(self.zeroed)
 
     # -- tensors in and out ----------------------------------------------------------------------
 
-    def _get(self, key: str) -> torch.Tensor:
+    def _get(self, key: str, cast: bool = True) -> torch.Tensor:
+        """Tensor `key` from the checkpoint (NaN/Inf zeroed if asked), floats in the compute dtype (`cast`)
+        or as stored."""
         t = self.ckpt.get(key)
         if key in self.zeroed:
             t = zero_nonfinite(t)
-        return t.to(self.dtype) if t.is_floating_point() else t
+        return t.to(self.dtype) if cast and t.is_floating_point() else t
 
     def _materialize(self, module: nn.Module, prefix: str) -> None:
         state = {}
@@ -108,7 +111,9 @@ class OnloadedModel:
         tie = getattr(self.model.config, "tie_word_embeddings", False)
         for key in keys:
             if key in self.ckpt:
-                self._write(key, self._get(key))
+                # as stored, straight to the storage dtype: the same bytes as through the compute dtype
+                # (which holds the stored values exactly), without a float32 copy of a 128k-row embedding
+                self._write(key, self._get(key, cast=False))
             elif key in self._tied and tie:
                 continue  # e.g. lm_head.weight tied to the embeddings: stored once
             else:
@@ -122,12 +127,33 @@ class OnloadedModel:
     # -- the pipeline's hooks --------------------------------------------------------------------
 
     def begin(self, writer: ShardWriter, needs_embeddings: bool) -> None:
-        """Write the tensors before the decoder layers; keep the embeddings when calibration runs."""
+        """Write the tensors before the decoder layers; when calibration runs, let the embeddings read
+        the rows each batch looks up (and only those) from the checkpoint."""
         self.writer = writer
         self._write_outside(self.head)
         if needs_embeddings:
-            emb, prefix = self._embedding_owner()
-            self._materialize(emb, prefix)
+            self._hooks = self._rows_on_demand(*self._embedding_owner())
+
+    def _rows_on_demand(self, emb: nn.Module, prefix: str) -> list:
+        """Hooks that give the embedding, for each forward, a weight of just the rows its ids use (in the
+        compute dtype) and ids renumbered into it: the same output as the whole matrix (a lookup is exact;
+        padding_idx only matters for gradients), without holding 128k rows of it."""
+        key, slot, padding = prefix + "weight", emb.weight, getattr(emb, "padding_idx", None)
+
+        def before(module, args):
+            ids = args[0]
+            used, inverse = torch.unique(ids, return_inverse=True)
+            rows = self.ckpt.rows(key, used.cpu())
+            if key in self.zeroed:
+                rows = zero_nonfinite(rows)
+            module.weight = nn.Parameter(rows.to(self.dtype).to(ids.device), requires_grad=False)
+            module.padding_idx = None
+            return (inverse.reshape(ids.shape),) + tuple(args[1:])
+
+        def after(module, _args, _output):
+            module.weight, module.padding_idx = slot, padding
+
+        return [emb.register_forward_pre_hook(before), emb.register_forward_hook(after)]
 
     def load_layer(self, index: int, layer: nn.Module) -> None:
         self._materialize(layer, f"{self.adapter.layers_path}.{index}.")
@@ -142,5 +168,6 @@ class OnloadedModel:
     def end(self) -> None:
         """Write the tensors after the decoder layers and drop the embeddings."""
         self._write_outside(self.tail)
-        emb, _ = self._embedding_owner()
-        emb.to("meta")
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

@@ -4,6 +4,10 @@ For each decoder layer: run the calibration batches through it with the stages' 
 if a stage needs data), let each stage quantize its targeted linears, swap them for quantized
 modules, then run the *quantized* layer to produce the next layer's inputs. Beyond the model,
 memory holds one layer's inputs for all calibration batches.
+
+On an accelerator (`device`), only the layer being quantized, the calibration activations and the
+solvers' state live on it: the model stays on the CPU (or on disk, with a layer store) and each
+layer goes to the device for its turn and back after it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tqdm.auto import tqdm
 from quantkit.algorithms.base import Algorithm, LayerContext
 from quantkit.arch.adapter import ArchitectureAdapter
 from quantkit.arch.moe import all_experts_see_tokens
+from quantkit.calibration.activations import Activations
 from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, observe_layer, run_layer
 from quantkit.errors import QuantizationError
 from quantkit.formats.base import QuantFormat, format_for
@@ -197,11 +202,16 @@ def quantize_model(
     scale_dtype: torch.dtype,
     progress: bool = True,
     store: Optional[LayerStore] = None,
+    device: torch.device = torch.device("cpu"),
+    activations: Optional[Activations] = None,
 ) -> QuantizationResult:
     """Quantize `model` in place; returns which modules were quantized and per-module errors.
 
     store: where decoder layers come from and go to when the model is not in memory (`onload`):
-    each layer is loaded just before its turn and handed back, quantized, right after it."""
+    each layer is loaded just before its turn and handed back, quantized, right after it.
+    device: where each layer computes (the rest of the model stays where it is).
+    activations: where the calibration activations are kept (with a memory budget and a spill directory);
+    by default in memory without a limit."""
     start = time.perf_counter()
     layers = adapter.layers(model)
     needs_data = any(s.algorithm.needs_calibration for s in stages)
@@ -209,7 +219,7 @@ def quantize_model(
         raise QuantizationError("a stage needs calibration data but no calibration batches were given")
     result = QuantizationResult()
     with result.phase("capture layer inputs"):
-        inputs = capture_layer_inputs(model, layers, batches) if needs_data else None
+        inputs = capture_layer_inputs(model, layers, batches, device, activations) if needs_data else None
     notes: dict[str, dict] = {}  # what transforms report per linear, logged when it is quantized
     bar = tqdm(range(len(layers)), desc="quantizing layers", unit="layer", disable=not progress)
     result.on_phase = lambda name: bar.set_postfix_str(name, refresh=True)
@@ -218,6 +228,9 @@ def quantize_model(
         if store is not None:
             with result.phase("load layer"):
                 store.load_layer(li, layers[li])
+        if device.type != "cpu":
+            with result.phase("load layer"):
+                layers[li].to(device)
         packed: dict[str, nn.Module] = {}
         for stage in stages:
             names = [n for n in stage.modules if n.startswith(prefix)]
@@ -231,13 +244,19 @@ def quantize_model(
             result.kv_cache_scheme = stage.algorithm.scheme_config()
         if inputs is not None and li < len(layers) - 1:
             with result.phase("forward quantized layer (next inputs)"):
-                inputs.hidden = run_layer(layers[li], inputs.hidden, inputs.kwargs[li])
+                # this layer's inputs are released as the next layer's are made: one budget for both
+                inputs.hidden = run_layer(layers[li], inputs.hidden.drain(), inputs.kwargs[li],
+                                          into=inputs.hidden.successor())
             inputs.kwargs[li] = []  # this layer's arguments are no longer needed
+        elif inputs is not None:
+            inputs.hidden.clear()  # the last layer's inputs (and their spill files)
         for name, module in packed.items():
             model.set_submodule(name, module)
         if store is not None:
             with result.phase("write layer"):
                 store.finish_layer(li, layers[li])
+        elif device.type != "cpu":
+            layers[li].to("cpu")  # the quantized layer rejoins the model
         release_free_memory()
     result.on_phase = None
     bar.close()
@@ -301,8 +320,8 @@ def _pack(stage: Stage, linears: dict[str, nn.Module], quantized: dict, notes: d
     for name, qw in quantized.items():
         fmt = format_for(qw.scheme)
         linear = linears[name]
-        packed[name] = module = fmt.build_module(qw, linear.bias)
-        dequantized = module.dequantize(linear.weight.dtype)
+        packed[name] = fmt.build_module(qw, linear.bias)
+        dequantized = qw.dequantize(linear.weight.dtype)  # what the packed module computes, without unpacking it
         result.quantized[name] = (fmt, qw.scheme)
         result.layers.append({
             "name": name,

@@ -6,6 +6,7 @@ import datetime
 import json
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -14,9 +15,11 @@ import torch
 from torch import nn
 
 from quantkit import __version__
-from quantkit import compute
+from quantkit import compute, devices
 from quantkit.arch.adapter import adapter_for
-from quantkit.atomic import atomic_output_dir, check_free_space, check_output_free, check_writable, clean_stale_for
+from quantkit.atomic import (atomic_output_dir, check_free_space, check_output_free, check_writable, clean_stale_for,
+                             scratch_dir)
+from quantkit.calibration.activations import Activations, Budget
 from quantkit.calibration.data import load_text, make_chunks, tokenize
 from quantkit.errors import QuantizationError
 from quantkit.export import export_checkpoint, write_model_files
@@ -24,7 +27,7 @@ from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, read_c
 from quantkit.formats.compressed_tensors import build_quantization_config
 from quantkit.models.resolve import resolve_model
 from quantkit.finite import check_source
-from quantkit.memory import PeakSampler
+from quantkit.memory import PeakSampler, available_memory
 from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_model
 from quantkit.recipe import Recipe
 from quantkit.onload import OnloadedModel, skeleton
@@ -41,14 +44,17 @@ class QuantizeReport:
     result: QuantizationResult
     seconds: float
     compute: compute.ComputeChoice
+    device: devices.DeviceChoice
     peak_rss_bytes: int = 0  # resident memory, sampled every 20 ms while the job ran
+    peak_device_bytes: int = 0  # allocated on the accelerator at most (0 on the CPU)
 
     def closing_line(self) -> str:
         """Peak memory and where the time went (the largest phases)."""
         total = sum(self.result.timings.values()) or 1.0
         top = sorted(self.result.timings.items(), key=lambda kv: -kv[1])[:4]
         shares = ", ".join(f"{name} {100 * s / total:.0f}%" for name, s in top)
-        return f"Peak memory {self.peak_rss_bytes / 1e9:.2f} GB resident; time: {shares}"
+        gpu = f", {self.peak_device_bytes / 1e9:.2f} GB on {self.device.device}" if self.device.is_accelerator else ""
+        return f"Peak memory {self.peak_rss_bytes / 1e9:.2f} GB resident{gpu}; time: {shares}"
 
 
 def default_output(source: Path, recipe: Recipe) -> Path:
@@ -95,6 +101,8 @@ def quantize(
     trust_remote_code: bool = False,
     load_mode: str = "layers",
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    device: "str | torch.device | None" = devices.DEFAULT,
+    activation_budget_bytes: Optional[int] = None,
 ) -> QuantizeReport:
     """Quantize a checkpoint with `recipe` and write the result to `output`.
 
@@ -106,18 +114,31 @@ def quantize(
 
     load_mode "layers" (default): the model is an empty skeleton; each decoder layer is read from the
     checkpoint just before its turn and written to the output shards right after (`quantkit.onload`);
-    "whole": the model is loaded into memory first and exported at the end. Both write identical files."""
+    "whole": the model is loaded into memory first and exported at the end. Both write identical files.
+
+    device: where each decoder layer is calibrated and quantized (`quantkit.devices`: auto takes CUDA when
+    present); the rest of the model stays on the CPU or on disk.
+
+    activation_budget_bytes: calibration activations kept in memory at most (default: half the memory
+    available when calibration starts, on the device they live on); batches beyond it wait on disk in a
+    hidden directory next to the output, removed at the end."""
     if load_mode not in LOAD_MODES:
         raise QuantizationError(f"load mode {load_mode!r}: use one of {', '.join(LOAD_MODES)}")
+    where = devices.resolve(device)
+    if where.is_accelerator:
+        notify(where.describe())
+    devices.reset_peak(where.device)
     with PeakSampler(0.02, live=False) as peak:  # resident memory only: cheap to read
         report = _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite, trust_remote_code,
-                           load_mode, max_shard_bytes, peak)
+                           load_mode, max_shard_bytes, peak, where, activation_budget_bytes)
     report.peak_rss_bytes = peak.peak_rss
+    report.peak_device_bytes = devices.peak_memory_bytes(where.device)
     return report
 
 
 def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite, trust_remote_code, load_mode,
-              max_shard_bytes, peak: PeakSampler) -> QuantizeReport:
+              max_shard_bytes, peak: PeakSampler, where: devices.DeviceChoice,
+              activation_budget: Optional[int]) -> QuantizeReport:
     start = time.perf_counter()
     source = resolve_model(model_spec)
     out = Path(output) if output else default_output(source, recipe)
@@ -131,7 +152,7 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
                                 "quantize the original float checkpoint")
     adapter = adapter_for(raw.get("model_type", "?"))
     storage_dtype = checkpoint_dtype(raw)
-    choice = compute.choose(storage_dtype, "cpu", recipe.calibration.dtype, "calibration.dtype")
+    choice = compute.choose(storage_dtype, where.device, recipe.calibration.dtype, "calibration.dtype")
     notify(choice.describe())
     if load_mode == "whole":
         model, onloaded = load(source, dtype=choice.dtype), None
@@ -144,8 +165,12 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
     fallbacks = _report_fallbacks(stages, notify)
     check_free_space(out, estimate_checkpoint_bytes(model, stages, storage_dtype))
     batches = None
+    scratch = ExitStack()
+    activations = Activations()
     if any(s.algorithm.needs_calibration for s in stages):
         batches = calibration_batches(source, recipe, adapter.needs_bos)
+        activations = _activations(batches, model.config.hidden_size, choice.dtype, where.device, activation_budget,
+                                   out, scratch, notify)
 
     def extra_files(result: QuantizationResult) -> dict[str, str]:
         metadata = {
@@ -155,18 +180,48 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
             "recipe": recipe.name,
             "overrides": recipe.overrides,
             "compute": choice.to_json(),
+            "device": {"device": str(where.device), "reason": where.reason,
+                       "peak_bytes": devices.peak_memory_bytes(where.device)},
             "load": load_mode,
             "quantize_seconds": round(result.seconds, 2),
             "timings": {k: round(v, 3) for k, v in result.timings.items()},
             "peak_rss_bytes": peak.peak_rss,  # so far: the files are written at the end of the job
             "group_size_fallbacks": fallbacks,
             "zeroed_nonfinite": zeroed,
+            "activations": {"budget_bytes": activations.budget.limit, "peak_bytes": activations.budget.peak,
+                            "spilled_bytes": activations.budget.spilled_bytes},
             "layers": result.layers,
         }
         return {"recipe.yaml": recipe.to_yaml(), "quantkit.json": json.dumps(metadata, indent=2) + "\n"}
 
+    with scratch:
+        result = _run(model, adapter, stages, batches, storage_dtype, progress, where, activations, onloaded, out,
+                      overwrite, source, extra_files, trust_remote_code, notify, max_shard_bytes)
+    return QuantizeReport(out, source, result, time.perf_counter() - start, choice, where)
+
+
+def _activations(batches: list[torch.Tensor], hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 budget: Optional[int], out: Path, scratch: ExitStack, notify: Callable[[str], None]) -> Activations:
+    """Where the calibration activations live: in memory up to the budget, the rest in a scratch directory
+    (made only when they do not fit; said so, with the numbers)."""
+    need = sum(b.numel() for b in batches) * hidden_size * dtype.itemsize
+    if budget is None:
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+        budget = None if free is None else free // 2
+    if budget is None or need <= budget:
+        return Activations(Budget(budget))
+    spill = scratch.enter_context(scratch_dir(out))
+    notify(f"calibration activations take {need / 1e9:.2f} GB per layer, above the {budget / 1e9:.2f} GB budget "
+           f"(--activation-budget): the batches beyond it wait on disk in {spill}")
+    return Activations(Budget(budget), spill)
+
+
+def _run(model, adapter, stages, batches, storage_dtype, progress, where, activations, onloaded, out, overwrite, source,
+         extra_files, trust_remote_code, notify, max_shard_bytes) -> QuantizationResult:
+    """The pipeline and the export: whole-model, or onloaded with the shards written as layers finish."""
     if onloaded is None:
-        result = quantize_model(model, adapter, stages, batches, storage_dtype, progress)
+        result = quantize_model(model, adapter, stages, batches, storage_dtype, progress, device=where.device,
+                                activations=activations)
         export_checkpoint(
             model, out, storage_dtype=storage_dtype, source=source,
             quantization_config=build_quantization_config(model, result.quantized, result.kv_cache_scheme),
@@ -176,13 +231,14 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
         with atomic_output_dir(out, overwrite, protect=[source]) as tmp:  # an interrupted run leaves nothing at out
             writer = ShardWriter(tmp, max_shard_bytes)
             onloaded.begin(writer, needs_embeddings=batches is not None)
-            result = quantize_model(model, adapter, stages, batches, storage_dtype, progress, store=onloaded)
+            result = quantize_model(model, adapter, stages, batches, storage_dtype, progress, store=onloaded,
+                                    device=where.device, activations=activations)
             onloaded.end()
             writer.close()
             write_model_files(tmp, model, storage_dtype, source,
                               build_quantization_config(model, result.quantized, result.kv_cache_scheme),
                               extra_files(result), trust_remote_code, notify)
-    return QuantizeReport(out, source, result, time.perf_counter() - start, choice)
+    return result
 
 
 def _report_fallbacks(stages: list[Stage], notify: Callable[[str], None]) -> list[dict]:

@@ -15,7 +15,8 @@ from torch import nn
 from quantkit.errors import QuantizationError
 
 
-def repeated_heads_index(smooth_channels: int, balance_channels: int, head_dim: int) -> torch.Tensor:
+def repeated_heads_index(smooth_channels: int, balance_channels: int, head_dim: int,
+                         device: torch.device | None = None) -> torch.Tensor:
     """Which smooth output channel feeds each balance input channel when heads are repeated.
 
     Grouped-query attention: v_proj has kv_heads * head_dim outputs, and o_proj reads heads *
@@ -25,8 +26,8 @@ def repeated_heads_index(smooth_channels: int, balance_channels: int, head_dim: 
         raise QuantizationError(f"cannot map {balance_channels} inputs onto {smooth_channels} repeated outputs "
                                 f"with head_dim {head_dim}")
     heads, rep = balance_channels // head_dim, balance_channels // smooth_channels
-    h = torch.arange(heads).repeat_interleave(head_dim)
-    d = torch.arange(head_dim).repeat(heads)
+    h = torch.arange(heads, device=device).repeat_interleave(head_dim)
+    d = torch.arange(head_dim, device=device).repeat(heads)
     return (h // rep) * head_dim + d
 
 

@@ -213,3 +213,17 @@ def test_actorder_is_written_to_the_checkpoint(tiny_llama, tokenizer, tmp_path):
     weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
     assert weights["actorder"] == "static"
     assert quantkit.load(out).model.layers[0].mlp.up_proj.scheme.actorder == "static"
+
+
+@pytest.mark.parametrize("n", [5, 128, 129, 300])
+def test_take_hessian_equals_hessian_in_the_accumulators_memory(n):
+    a, b = HessianAccumulator(n), HessianAccumulator(n)
+    g = torch.Generator().manual_seed(n)
+    for _ in range(3):
+        x = torch.randn(2, 7, n, generator=g)
+        a.add(x)
+        b.add(x)
+    buffer = b._upper
+    H = b.take_hessian()
+    assert torch.equal(H, a.hessian()) and H.data_ptr() == buffer.data_ptr()
+    assert torch.equal(H, H.t())

@@ -185,3 +185,21 @@ def test_lazy_reads_equal_safetensors_reads(sources):
             for k in keys:
                 t = lazy.get(k)
                 assert t.dtype == f.get_tensor(k).dtype and torch.equal(t, f.get_tensor(k))
+
+
+def test_lazy_pieces_cover_each_tensor_in_bounded_reads(sources):
+    """The NaN/Inf pass reads big tensors in pieces: they concatenate to the tensor, none is larger than asked."""
+    from quantkit.finite import find_nonfinite
+    from quantkit.formats.lazy import LazyCheckpoint
+
+    lazy = LazyCheckpoint(sources["llama"])
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for key, piece in lazy.pieces(max_bytes=1000):
+        assert piece.ndim == 1 and piece.numel() * piece.element_size() <= 1000
+        pieces.setdefault(key, []).append(piece)
+    assert sorted(pieces) == sorted(lazy.keys()) and max(len(p) for p in pieces.values()) > 10
+    for key, parts in pieces.items():
+        assert torch.equal(torch.cat(parts), lazy.get(key).reshape(-1)), key
+    # a non-finite value in one piece is counted against the whole tensor
+    a, b = torch.ones(6), torch.tensor([1.0, float("nan"), float("inf")])
+    assert find_nonfinite([("w", a), ("w", b), ("v", a)]) == [("w", 2, 9)]

@@ -151,7 +151,7 @@ class AWQ(Algorithm):
                 if not isinstance(head_dim, int) or smooth.out_features % head_dim or width % smooth.out_features:
                     log.debug("AWQ: %s -> %s shapes do not fit; group skipped", g.smooth, g.balance)
                     continue
-                index = repeated_heads_index(smooth.out_features, width, head_dim)
+                index = repeated_heads_index(smooth.out_features, width, head_dim, smooth.weight.device)
             active.append((g, index))
         return active
 
@@ -249,7 +249,7 @@ def _fold_factor(smooth: nn.Module, scales: torch.Tensor, offset: float, storage
 def _tied_mean(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Mean of `values` over the positions that share each index value."""
     n = int(index.max()) + 1
-    sums = torch.zeros(n, dtype=torch.float32).index_add_(0, index, values.float())
+    sums = torch.zeros(n, dtype=torch.float32, device=values.device).index_add_(0, index, values.float())
     return sums / torch.bincount(index, minlength=n).float()
 
 

@@ -68,9 +68,9 @@ class GPTQ(Algorithm):
     ) -> dict[str, "QuantizedWeight | Fp8Weight"]:
         out = {}
         for group in groups:
-            acc = self._H.get(group[0])
+            acc = self._H.pop(group[0], None)  # each Hessian is freed once its group is solved
             assert acc is not None, f"no calibration input reached {group[0]}"
-            H = acc.hessian()
+            H = acc.take_hessian()
             # rows are independent given H: linears sharing an input are solved as one stacked matrix
             W = torch.cat([linears[n].weight.data for n in group])  # [sum(out), in]
             nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}

@@ -4,16 +4,20 @@ One model forward per batch runs with every decoder layer's `forward` temporaril
 a recorder: layer 0's hidden states and every layer's keyword arguments (attention masks,
 rotary embeddings: they differ per layer type, e.g. Gemma's sliding vs full attention) are
 kept; the recorders pass hidden states through unchanged, and the last one stops the forward
-so the final norm and LM head never run.
+so the final norm and LM head never run. What is kept goes to the device the layers will run on
+(`device`): the embeddings run where the model is (CPU), the layers one at a time on the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
+
+from quantkit.calibration.activations import Activations
+from quantkit.devices import to_device
 
 
 class _StopForward(Exception):
@@ -22,13 +26,17 @@ class _StopForward(Exception):
 
 @dataclass
 class LayerInputs:
-    hidden: list[torch.Tensor]  # per batch: [batch, seq, hidden] input of the current layer
+    hidden: Activations  # per batch: [batch, seq, hidden] input of the current layer
     kwargs: list[list[dict]]  # [layer][batch] keyword arguments of each layer call
 
 
 @torch.no_grad()
-def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor]) -> LayerInputs:
-    hidden: list[torch.Tensor] = []
+def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor],
+                         device: torch.device = torch.device("cpu"),
+                         hidden: Optional[Activations] = None) -> LayerInputs:
+    """Layer 0's input and every layer's keyword arguments for each batch; `hidden`: where layer 0's
+    inputs go (an `Activations` with a memory budget), by default a new one without a limit."""
+    hidden = hidden if hidden is not None else Activations()
     kwargs: list[list[dict]] = [[] for _ in layers]
     last = len(layers) - 1
 
@@ -37,9 +45,9 @@ def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[
             h = args[0] if args else kw.pop("hidden_states")
             kw = {k: v for k, v in kw.items() if k not in ("cache", "past_key_values", "past_key_value")}
             kw["use_cache"] = False
-            kwargs[index].append(kw)
+            kwargs[index].append(to_device(kw, device))
             if index == 0:
-                hidden.append(h)
+                hidden.append(h.to(device))
             if index == last:
                 raise _StopForward
             return h
@@ -97,9 +105,9 @@ def observe_layer(
             handle.remove()
 
 
-def run_layer(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:
-    """The layer's outputs for every batch."""
-    outs = []
+def run_layer(layer: nn.Module, hidden: Iterable[torch.Tensor], kwargs: list[dict], into=None):
+    """The layer's outputs for every batch, appended to `into` (a list by default) and returned."""
+    outs = [] if into is None else into
     with torch.no_grad():
         for h, kw in zip(hidden, kwargs):
             out = layer(h, **kw)

@@ -28,8 +28,13 @@ def command():
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               help="Compute dtype; float32 is the protocol, auto the machine's fast dtype (faster, slightly different).")
 @click.option("--encoding", default="utf-8", show_default=True, help="Encoding of a .txt dataset file.")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]|mps",
+              help="Where the models run; auto takes CUDA when present (and says so).")
+@click.option("--offload", default="auto", show_default=True, type=click.Choice(["auto", "none", "disk"]),
+              help="disk: keep the decoder layers on disk and load each as it runs (for models that do not fit; "
+                   "slower); auto: only when a model would not fit in memory (said so).")
 def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path, no_progress, kv_cache_dtype, dtype,
-        encoding):
+        encoding, device, offload):
     """Perplexity of MODELS on a text (the protocol is in evals/PROTOCOL.md).
 
     \b
@@ -46,8 +51,8 @@ def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path,
     names = ([baseline] if baseline else []) + [m for m in models if m != baseline]
     rows = evaluate_many(names, dataset, text_column, seq_len, max_windows or None, progress=not no_progress,
                          kv_cache_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype, dtype=dtype,
-                         encoding=encoding)
-    for line in dict.fromkeys(r["compute"] for r in rows):
+                         encoding=encoding, device=device, offload=offload)
+    for line in dict.fromkeys(note for r in rows for note in r["notes"]):
         click.echo(line, err=True)
     click.echo(format_table(rows))
     if json_path:

@@ -31,6 +31,11 @@ def sampling_options(f):
         click.option("--dtype", default="auto", show_default=True,
                      type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
                      help="Compute dtype; auto: bf16 only where this machine computes it fast, else float32."),
+        click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]|mps",
+                     help="Where the model runs; auto takes CUDA when present (and says so)."),
+        click.option("--offload", default="auto", show_default=True, type=click.Choice(["auto", "none", "disk"]),
+                     help="disk: keep the decoder layers on disk and load each as it runs (for models that do not "
+                          "fit; much slower); auto: only when the model would not fit in memory (said so)."),
     ]
     return functools.reduce(lambda acc, opt: opt(acc), reversed(options), f)
 
@@ -54,10 +59,20 @@ class Runner:
         from quantkit.runtime.loader import load, load_tokenizer
 
         params = params or _params(opts)  # bad options fail before minutes of loading
-        self.model = load(model_spec, dtype=opts.get("dtype"))
+        from quantkit.devices import resolve
+
+        device = resolve(opts.get("device", "cpu")).device  # a missing device fails before anything loads
+        offload = opts.get("offload", "none")
+        self.model = load(model_spec, dtype=opts.get("dtype"), device=device, offload=offload)
         self.tokenizer = load_tokenizer(model_spec)
-        self.draft = load(opts["draft"], dtype=opts.get("dtype")) if opts.get("draft") else None
+        self.draft = load(opts["draft"], dtype=opts.get("dtype"), device=device, offload=offload) \
+            if opts.get("draft") else None
         lines = dict.fromkeys(m.quantkit_compute.describe() for m in (self.model, self.draft) if m is not None)
+        if self.model.quantkit_device.is_accelerator:
+            click.echo(self.model.quantkit_device.describe(), err=True)
+        for m in (self.model, self.draft):
+            if m is not None and m.quantkit_offload.offloaded:
+                click.echo(f"{m.quantkit_source}: {m.quantkit_offload.describe()}", err=True)
         for line in lines:  # once per distinct choice
             click.echo(line, err=True)
         self.opts, self.params = opts, params

@@ -22,8 +22,14 @@ import click
               help="GB per output safetensors shard (an index json lists them).")
 @click.option("--trust-remote-code", is_flag=True,
               help="Keep the source config's auto_map and copy its .py files (quantkit itself never runs them).")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]|mps",
+              help="Where each layer is calibrated and quantized; auto takes CUDA when present (and says so). "
+                   "Only the layer at work and its activations go there; a device asked for and missing is an error.")
+@click.option("--activation-budget", type=click.FloatRange(min=0), metavar="GB",
+              help="Calibration activations kept in memory at most; batches beyond it wait on disk next to the "
+                   "output [default: half the memory available when calibration starts].")
 def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_nonfinite, load_mode, max_shard_size,
-            trust_remote_code):
+            trust_remote_code, device, activation_budget):
     """Quantize MODEL (local directory, demo name or hub id; default smollm2-135m).
 
     \b
@@ -42,7 +48,8 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
     report = quantize(model, recipe, output, overwrite=overwrite, progress=not no_progress,
                       notify=lambda line: click.echo(line, err=True), zero_nonfinite=zero_nonfinite,
                       trust_remote_code=trust_remote_code, load_mode=load_mode,
-                      max_shard_bytes=int(max_shard_size * 1e9))
+                      max_shard_bytes=int(max_shard_size * 1e9), device=device,
+                      activation_budget_bytes=None if activation_budget is None else int(activation_budget * 1e9))
     layers = report.result.layers
     click.echo(f"Quantized {len(layers)} linear layers of {report.source} with recipe {recipe.name} "
                f"in {report.seconds:.1f} s")

@@ -79,8 +79,9 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, max_win
     wins = windows(ids, seq_len, max_windows, bos_id)
     new_cache = cache_factory(model, kv_cache_dtype)
     total, count = 0.0, 0
+    device = model.get_input_embeddings().weight.device
     for w in tqdm(wins, desc="perplexity", unit="window", disable=not progress):
-        nll, n = window_nll(model, w.unsqueeze(0), new_cache())
+        nll, n = window_nll(model, w.unsqueeze(0).to(device), new_cache())
         total, count = total + nll, count + n
     mean = total / count
     return PplResult(math.exp(mean), mean, count, len(wins), seq_len, time.perf_counter() - start)

@@ -60,17 +60,20 @@ def prepare(model_spec: str, text: str, seq_len: int, max_windows: Optional[int]
 
 def evaluate_one(model_spec: str, text: str, seq_len: int, max_windows: Optional[int], progress: bool,
                  kv_cache_dtype: Optional[str] = None, dtype: str = "float32",
-                 prepared: Optional[Prepared] = None) -> dict:
+                 prepared: Optional[Prepared] = None, device: str = "cpu", offload: str = "none") -> dict:
     """One model's row. dtype: float32 (the protocol) or another compute dtype / "auto" (`quantkit.compute`).
     A non-finite perplexity gives ppl None and an `error` saying so."""
     from quantkit.runtime.loader import load
 
     p = prepared or prepare(model_spec, text, seq_len, max_windows, min_tokens=1)
-    model = load(p.path, dtype=dtype)
+    model = load(p.path, dtype=dtype, device=device, offload=offload)
     res = perplexity(model, p.ids, seq_len, max_windows, p.bos, progress, kv_cache_dtype)
     row = {"model": model_spec, "ppl": res.ppl, "nll": res.nll, "tokens": res.tokens,
            "windows": res.windows, "bos": p.bos is not None, "seconds": round(res.seconds, 2),
-           "dtype": model.quantkit_compute.name, "compute": model.quantkit_compute.describe()}
+           "dtype": model.quantkit_compute.name, "compute": model.quantkit_compute.describe(),
+           "device": str(model.quantkit_device.device), "offload": model.quantkit_offload.mode,
+           "notes": [model.quantkit_compute.describe()] + (
+               [model.quantkit_offload.describe()] if model.quantkit_offload.offloaded else [])}
     if not math.isfinite(res.nll):
         row.update(ppl=None, nll=None, error=f"non-finite perplexity ({res.nll}): the model's logits hold NaN/Inf")
     return row
@@ -78,12 +81,20 @@ def evaluate_one(model_spec: str, text: str, seq_len: int, max_windows: Optional
 
 def evaluate_many(models: list[str], dataset: str, text_column: str, seq_len: int,
                   max_windows: Optional[int], progress: bool = True, kv_cache_dtype: Optional[str] = None,
-                  dtype: str = "float32", encoding: str = "utf-8") -> list[dict]:
+                  dtype: str = "float32", encoding: str = "utf-8", device: str = "cpu",
+                  offload: str = "none") -> list[dict]:
     """One row per model; rows after the first carry deltas against the first (the baseline).
     Every model is checked (`prepare`) before the first is scored."""
+    from quantkit.devices import resolve
+
+    from quantkit.runtime.offload import choose
+
+    resolve(device)  # a missing device or a bad offload mode fails before the text is read
+    choose(offload, 0, available=1)
     text = load_text(dataset, text_column, encoding)
     prepared = [prepare(m, text, seq_len, max_windows) for m in models]
-    rows = [evaluate_one(p.spec, text, seq_len, max_windows, progress, kv_cache_dtype, dtype, p) for p in prepared]
+    rows = [evaluate_one(p.spec, text, seq_len, max_windows, progress, kv_cache_dtype, dtype, p, device, offload)
+            for p in prepared]
     base = rows[0]["ppl"]
     for row in rows:
         ok = base is not None and row["ppl"] is not None

@@ -81,18 +81,53 @@ class LazyCheckpoint:
     def stored_name(self, key: str) -> str:
         return self._where[key].stored
 
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """dtype and shape of tensor `key`, from the header (nothing is read)."""
+        e = self._where[key]
+        return e.dtype, e.shape
+
     def get(self, key: str) -> torch.Tensor:
         """The tensor of module key `key`, read from disk into a buffer of its own."""
         if key not in self._where:
             raise CheckpointError(f"{self.path}: tensor {key} is missing from the checkpoint")
         e = self._where[key]
-        buf = torch.empty(e.end - e.start, dtype=torch.uint8)
+        buf = torch.empty(e.end - e.start, dtype=torch.uint8, device="cpu")  # host memory, whatever the default device
         with open(e.file, "rb") as f:
             f.seek(e.start)
             got = f.readinto(memoryview(buf.numpy()))
         if got != e.end - e.start:
             raise CheckpointError(f"{e.file}: tensor {e.stored} is cut short; re-create or re-download the file")
         return buf.view(e.dtype).reshape(e.shape)
+
+    def rows(self, key: str, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` (1-D, int) of 2-D tensor `key`, read one by one: [len(index), columns]."""
+        e = self._where[key]
+        if len(e.shape) != 2:
+            raise ValueError(f"tensor {e.stored} is not a matrix")
+        row_bytes = e.shape[1] * e.dtype.itemsize
+        out = torch.empty(len(index), row_bytes, dtype=torch.uint8, device="cpu")
+        with open(e.file, "rb") as f:
+            for k, r in enumerate(index.tolist()):
+                if not 0 <= r < e.shape[0]:
+                    raise IndexError(f"row {r} of {e.stored} (it has {e.shape[0]})")
+                f.seek(e.start + r * row_bytes)
+                if f.readinto(memoryview(out[k].numpy())) != row_bytes:
+                    raise CheckpointError(f"{e.file}: tensor {e.stored} is cut short; re-create or re-download the file")
+        return out.view(e.dtype)
+
+    def pieces(self, max_bytes: int = 64 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor as 1-D pieces of at most `max_bytes` (whole elements), read one at a time: a
+        pass over the checkpoint that never holds a whole large tensor."""
+        for key, e in self._where.items():
+            step = max(1, max_bytes // e.dtype.itemsize) * e.dtype.itemsize
+            with open(e.file, "rb") as f:
+                f.seek(e.start)
+                for begin in range(e.start, max(e.end, e.start + 1), step):
+                    n = min(step, e.end - begin)
+                    buf = torch.empty(n, dtype=torch.uint8, device="cpu")
+                    if n and f.readinto(memoryview(buf.numpy())) != n:
+                        raise CheckpointError(f"{e.file}: tensor {e.stored} is cut short; re-create or re-download the file")
+                    yield key, buf.view(e.dtype)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor, one at a time (each is dropped by the caller before the next is read)."""

@@ -70,8 +70,8 @@ def clip_search(
     g = _grouped(w, scheme)  # [out, groups, gs]
     lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
     C = moments.float()
-    best_err = torch.full(g.shape[:2], float("inf"))
-    best = torch.ones(g.shape[:2])
+    best_err = torch.full(g.shape[:2], float("inf"), device=w.device)
+    best = torch.ones(g.shape[:2], device=w.device)
     for f in clip_candidates(n_grid, max_shrink):
         clipped = torch.maximum(torch.minimum(g, hi * f), lo * f).reshape(w.shape)
         d = _grouped(w - fake_quantize(clipped, scheme, scale_dtype), scheme)  # [out, groups, gs]
@@ -108,7 +108,7 @@ def clip_refine(
         return factors
     H = hessian.float()
     cands = clip_candidates(n_grid, max_shrink)
-    f_values = torch.tensor(cands)
+    f_values = torch.tensor(cands, device=w.device)
     # every candidate's error for every group: [cands, out, in]
     errs = torch.stack([w - fake_quantize(apply_clip(w, torch.full_like(factors, f), scheme), scheme, scale_dtype)
                         for f in cands])
@@ -117,7 +117,7 @@ def clip_refine(
     cand_idx = choice.repeat_interleave(gs, dim=1)  # [out, in]
     d = errs.gather(0, cand_idx.unsqueeze(0)).squeeze(0)  # current errors [out, in]
     r = d @ H  # [out, in]: H d per row
-    rows = torch.arange(w.shape[0])
+    rows = torch.arange(w.shape[0], device=w.device)
     for _ in range(sweeps):
         changed = 0
         for g in range(groups):

@@ -167,7 +167,7 @@ def mse_scale(samples: torch.Tensor, absmax: float, scale_dtype: torch.dtype, gr
     x = samples.float().reshape(-1)
     best, best_err = None, float("inf")
     for step in range(max(1, int(grid * max_shrink))):
-        scale = scale_from_absmax(torch.tensor([absmax * (1 - step / grid)]), scale_dtype)
+        scale = scale_from_absmax(torch.tensor([absmax * (1 - step / grid)], device=x.device), scale_dtype)
         err = float((fake_quantize(x, scale) - x).pow(2).sum())
         if err < best_err:
             best, best_err = scale, err

@@ -71,11 +71,11 @@ def quantize(
 ) -> torch.Tensor:
     """Integer codes for w [out, in] under per-group scale/zero_point [out, groups]."""
     g = _grouped(w.float(), scheme)  # [out, groups, gs]
-    x = g / scale.float().unsqueeze(-1)
+    x = g / scale.float().unsqueeze(-1)  # one float32 working copy, then in place
     if zero_point is not None:
-        x = x + zero_point.float().unsqueeze(-1)
-    q = torch.round(x).clamp(scheme.qmin, scheme.qmax)
-    return q.to(torch.int8).reshape(w.shape)
+        x.add_(zero_point.float().unsqueeze(-1))
+    x.round_().clamp_(scheme.qmin, scheme.qmax)
+    return x.to(torch.int8).reshape(w.shape)
 
 
 def dequantize(
@@ -109,7 +109,9 @@ SQNR_CHUNK = 1 << 20  # elements per float64 slice: whole-matrix float64 copies 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB (higher is better), in float64 one slice at a time."""
     ref, app = reference.reshape(-1), approx.reshape(-1)
-    signal = noise = torch.zeros((), dtype=torch.float64)
+    if ref.device.type == "mps":  # no float64 there
+        ref, app = ref.cpu(), app.cpu()
+    signal = noise = torch.zeros((), dtype=torch.float64, device=ref.device)
     for start in range(0, ref.numel(), SQNR_CHUNK):
         r = ref[start : start + SQNR_CHUNK].double()
         signal = signal + r.pow(2).sum()

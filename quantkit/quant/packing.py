@@ -20,20 +20,26 @@ def packed_size(n: int, num_bits: int) -> int:
 
 
 def pack_int32(q: torch.Tensor, num_bits: int, dim: int = 1) -> torch.Tensor:
-    """Pack int8 codes of a 2-D tensor into int32 along `dim` (tail padding bits are zero)."""
+    """Pack int8 codes of a 2-D tensor into int32 along `dim` (tail padding bits are zero).
+
+    Works in 1-byte codes and one int32 word array (no int64 copies: an 8B model's MLP weight is 59M
+    codes, and int64 temporaries of it took over 1 GB)."""
     assert q.dtype == torch.int8 and q.ndim == 2, f"expected 2-D int8 codes, got {q.dtype} {tuple(q.shape)}"
     assert num_bits in SUPPORTED_BITS, f"packing supports {SUPPORTED_BITS} bits, not {num_bits}"
     per_word = 32 // num_bits
-    u = q.to(torch.int64) + (1 << (num_bits - 1))  # offset binary, in [0, 2^b)
+    u = (q.to(torch.int16) + (1 << (num_bits - 1))).to(torch.uint8)  # offset binary, in [0, 2^b)
     if dim == 0:
         u = u.t()
     rows, cols = u.shape
     words = packed_size(cols, num_bits)
     u = torch.nn.functional.pad(u, (0, words * per_word - cols))  # padding bits are 0, as compressed-tensors writes
     u = u.reshape(rows, words, per_word)  # [rows, words, per_word]
-    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
-    packed = (u << shifts).sum(dim=-1)  # fits in 32 bits unsigned
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    if num_bits == 4 and sys.byteorder == "little":  # byte j of a word: elements 2j (low nibble) and 2j + 1
+        packed = (u[:, :, 0::2] | (u[:, :, 1::2] << 4)).contiguous().view(torch.int32).reshape(rows, words)
+    else:
+        packed = torch.zeros(rows, words, dtype=torch.int32, device=q.device)
+        for i in range(per_word):  # bits b*i .. b*i+b-1; the top field wraps into the sign bit, as int32 does
+            packed |= u[:, :, i].to(torch.int32) << (num_bits * i)
     return packed.t().contiguous() if dim == 0 else packed.contiguous()
 
 

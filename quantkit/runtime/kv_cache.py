@@ -92,7 +92,7 @@ def kv_scales(model: nn.Module) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
         k, v = getattr(attn, "k_scale", None), getattr(attn, "v_scale", None)
         if k is None or v is None:
             missing.append(idx)
-            k = v = torch.ones(1)
+            k = v = torch.ones(1, device=next(iter(attn.state_dict().values())).device)
         scales[idx] = (k.float(), v.float())
     if missing:
         log.warning("FP8 KV cache: %d of %d layers have no calibrated k_scale/v_scale; using 1.0 there "

@@ -33,6 +33,9 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 def supports(model: nn.Module) -> bool:
     cfg = model.config
+    offload = getattr(model, "quantkit_offload", None)
+    if offload is not None and offload.offloaded:  # fusing would load every layer at once
+        return False
     return (cfg.model_type in SUPPORTED and getattr(cfg, "sliding_window", None) in (None, 0)
             and not getattr(cfg, "use_sliding_window", False)
             and hasattr(getattr(getattr(model, "model", None), "norm", None), "variance_epsilon"))

@@ -15,14 +15,16 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from quantkit import compute
+from quantkit import compute, devices
 from quantkit.arch.adapter import checkpoint_namer, find_adapter
 from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
 from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, iter_tensors, read_config
 from quantkit.formats.compressed_tensors import LoadPlan, parse_quantization_config
+from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.models.resolve import resolve_model
 from quantkit.runtime.fp8linear import plan_dense_cache
+from quantkit.runtime import offload as offload_mod
 from quantkit.runtime.kv_cache import attention_modules
 
 log = logging.getLogger(__name__)
@@ -36,19 +38,26 @@ def checkpoint_dtype(config: dict) -> torch.dtype:
     return dtype
 
 
-def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = None) -> PreTrainedModel:
-    """Load a plain or compressed-tensors checkpoint on CPU.
+def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = None,
+         device: Union[str, torch.device, None] = "cpu", offload: Optional[str] = "none") -> PreTrainedModel:
+    """Load a plain or compressed-tensors checkpoint onto `device` (cpu by default; "auto" takes CUDA when
+    present, `quantkit.devices`; a device asked for and missing is an error).
 
     dtype: compute dtype of the float parameters: a torch dtype, a name, or None / "auto" for the
     machine's fast dtype that holds the checkpoint's weights exactly (`quantkit.compute`; bf16 only
     where the CPU computes it fast). Quantized modules keep their packed integers and stored scales
-    whatever the dtype. The choice is kept as `model.quantkit_compute`.
+    whatever the dtype. The choice is kept as `model.quantkit_compute`, the device as `model.quantkit_device`.
+
+    offload: "none" (default) loads every tensor; "disk" keeps the decoder layers in the checkpoint and
+    loads each just before it runs (`runtime.offload`: memory for one layer, much slower); "auto" offloads
+    only a model that would not fit in memory. The choice is kept as `model.quantkit_offload`.
     """
+    where = devices.resolve(device, "device")
     path = resolve_model(None if path is None else str(path))
     raw = read_config(path)
     qc = raw.get("quantization_config")
     plan = parse_quantization_config(qc, f"{path}/config.json") if qc else None
-    choice = _compute_choice(dtype, checkpoint_dtype(raw))
+    choice = _compute_choice(dtype, checkpoint_dtype(raw), where.device)
     dtype = choice.dtype
     config = model_config(path, raw)
     if hasattr(config, "quantization_config"):
@@ -64,21 +73,40 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
     if plan and plan.kv_cache_strategy:
         _add_kv_scale_slots(model, plan.kv_cache_strategy)
-    _assign_tensors(model, path, quantized, dtype, to_module)
+    ckpt = LazyCheckpoint(path, to_module)
+    owner_quantized = quantized.__contains__
+    offloading = offload_mod.choose(offload, offload_mod.in_memory_bytes(ckpt, dtype, owner_quantized))
+    if offloading.offloaded:
+        if adapter is None:
+            raise offload_mod.OffloadError(f"{path}: --offload disk needs an architecture quantkit knows "
+                                           f"(model_type {config.model_type!r} has no adapter)")
+        offloader = offload_mod.DiskOffload(model, ckpt, adapter.layers_path, owner_quantized, dtype, where.device)
+        skip = offloader.offloaded_keys
+        resident = ((ckpt.stored_name(k), ckpt.get(k)) for k in ckpt.keys() if k not in skip)
+        _assign_tensors(model, path, quantized, dtype, to_module, resident, elsewhere=skip)
+        model.quantkit_offloader = offloader
+    else:
+        _assign_tensors(model, path, quantized, dtype, to_module)
+    if where.is_accelerator:
+        offload_mod.move_resident(model, where.device)  # offloaded slots stay on meta until their layer runs
     model.eval()
     model.requires_grad_(False)  # an inference model: no autograd bookkeeping, and the decode step may fuse weights
-    prepare_kernels(model, dtype)
+    if not offloading.offloaded:  # offloaded layers prepare their kernels at each load
+        prepare_kernels(model, dtype)
     model.quantkit_source = str(path)
+    model.quantkit_offload = offloading
     model.quantkit_compute = choice
+    model.quantkit_device = where
     log.info("%s: %s", path, choice.describe())
     return model
 
 
-def _compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype) -> compute.ComputeChoice:
+def _compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype,
+                    device: torch.device) -> compute.ComputeChoice:
     if isinstance(dtype, torch.dtype):
-        return compute.ComputeChoice(dtype, "cpu", f"dtype={str(dtype).removeprefix('torch.')} asked for",
+        return compute.ComputeChoice(dtype, str(device), f"dtype={str(dtype).removeprefix('torch.')} asked for",
                                      "setting")
-    return compute.choose(storage, "cpu", dtype or "auto", "dtype")
+    return compute.choose(storage, device, dtype or "auto", "dtype")
 
 
 def model_config(path: Path, raw: dict):
@@ -146,11 +174,14 @@ def _add_kv_scale_slots(model: nn.Module, strategy: str) -> None:
             attn.register_buffer(name, torch.ones(heads))
 
 
-def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: torch.dtype, to_module) -> None:
+def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: torch.dtype, to_module,
+                    tensors=None, elsewhere: frozenset[str] | set[str] = frozenset()) -> None:
+    """Assign the checkpoint's tensors ((stored name, tensor) pairs; all of `path` by default); the
+    slots in `elsewhere` are filled later (offloaded layers) and were checked by their owner."""
     expected = dict(model.state_dict(keep_vars=True))
     loaded: dict[str, torch.Tensor] = {}
     unexpected = []
-    for stored_key, tensor in iter_tensors(path):
+    for stored_key, tensor in (iter_tensors(path) if tensors is None else tensors):
         key = to_module(stored_key)
         if key not in expected:
             if not key.endswith(IGNORED_EXTRA_KEYS):
@@ -170,7 +201,7 @@ def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: to
     # modules' buffers exist on CPU already, so "still on meta" alone would miss them
     loaded_ptrs = {t.data_ptr() for t in loaded.values()}
     missing = [k for k, v in model.state_dict(keep_vars=True).items()
-               if k not in loaded and (v.device.type == "meta" or v.data_ptr() not in loaded_ptrs)]
+               if k not in loaded and k not in elsewhere and (v.device.type == "meta" or v.data_ptr() not in loaded_ptrs)]
     if missing:
         raise CheckpointError(f"{path}: tensors missing from the checkpoint: {', '.join(missing[:8])}"
                               + (" ..." if len(missing) > 8 else ""))

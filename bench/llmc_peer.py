@@ -1,0 +1,60 @@
+"""llm-compressor's side of bench/vs_llmcompressor.py; runs in llm-compressor's own venv (no quantkit here).
+
+Usage: PEER_PYTHON bench/llmc_peer.py --model DIR --tokens FILE.json --algo gptq|awq --group 64
+           --dtype bfloat16|float32 --out DIR
+Quantizes with llm-compressor's `oneshot` on exactly the token sequences in FILE (the same ones
+quantkit calibrates on), W4A16 symmetric with the given group size, and prints one JSON line with
+the seconds of load, oneshot and save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tokens", required=True)
+    parser.add_argument("--algo", choices=["gptq", "awq"], required=True)
+    parser.add_argument("--group", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokens = json.load(open(args.tokens))
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=args.group)
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+    if args.algo == "gptq":  # quantkit's gptq-w4a16: static act-order, block 128, dampening 0.01
+        recipe = GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01,
+                              actorder="static")
+    else:  # quantkit's awq-w4a16: duo scaling "both", 20 grid points, then round-to-nearest
+        recipe = [AWQModifier(duo_scaling="both", n_grid=20), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
+    ds = Dataset.from_dict({"input_ids": tokens, "attention_mask": [[1] * len(t) for t in tokens]})
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    t1 = time.perf_counter()
+    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=max(len(t) for t in tokens),
+            num_calibration_samples=len(tokens), shuffle_calibration_samples=False)
+    t2 = time.perf_counter()
+    model.save_pretrained(args.out, save_compressed=True)
+    tokenizer.save_pretrained(args.out)
+    t3 = time.perf_counter()
+    print(json.dumps({"load_s": t1 - t0, "oneshot_s": t2 - t1, "save_s": t3 - t2, "total_s": t3 - t0,
+                      "torch": torch.__version__, "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""quantkit against llm-compressor 0.14, back to back on this machine, the same model, data and scheme.
+
+Usage: python bench/vs_llmcompressor.py MODEL gptq|awq --peer-python /path/to/llmc-venv/bin/python
+           [--group 64] [--peer-dtypes bfloat16,float32] [--windows 8] [--keep DIR]
+Set up the peer once:  python3 -m venv V && V/bin/pip install torch==2.13.0 && V/bin/pip install llmcompressor==0.14.0.1
+
+Both calibrate on the same 64 x 512 tokens of sensesensibility (quantkit's own chunks, handed to
+llm-compressor as a tokenized dataset), W4A16 symmetric with the same group size (gptq: static
+act-order; awq: duo scaling both, then round-to-nearest). Times are each job's load + calibrate +
+save, measured inside its process (interpreter start and imports excluded for both). Quality is
+quantkit's float32 perplexity protocol on emma (evals/PROTOCOL.md) for the original and every output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+PEER = Path(__file__).with_name("llmc_peer.py")
+RECIPES = {"gptq": ("gptq-w4a16", 0), "awq": ("awq-w4a16", 1)}  # recipe, index of the stage with the scheme
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("algo", choices=list(RECIPES))
+    parser.add_argument("--peer-python", required=True)
+    parser.add_argument("--group", type=int, default=64)
+    parser.add_argument("--peer-dtypes", default="bfloat16,float32")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--keep", type=Path, help="Keep the checkpoints here (default: a temporary directory).")
+    args = parser.parse_args()
+
+    from quantkit import compute
+    from quantkit.calibration.data import load_text
+    from quantkit.eval.report import evaluate_one
+    from quantkit.models.resolve import resolve_model
+    from quantkit.quantize import calibration_batches, quantize
+    from quantkit.recipe import load_recipe
+    from quantkit.registry import ARCHITECTURES
+    from quantkit.formats.checkpoint import read_config
+
+    source = resolve_model(args.model)
+    name, stage = RECIPES[args.algo]
+    recipe = load_recipe(name, [f"stages.{stage}.scheme.group_size={args.group}"])
+    needs_bos = ARCHITECTURES.get(read_config(source)["model_type"]).needs_bos
+    tokens = [row.tolist() for batch in calibration_batches(source, recipe, needs_bos) for row in batch]
+    print(compute.machine_summary())
+    print(f"model {source.name}; {args.algo} W4A16 group {args.group}; {len(tokens)} x {len(tokens[0])} calibration "
+          f"tokens of {recipe.calibration.dataset}")
+
+    root = args.keep or Path(tempfile.mkdtemp(prefix="vs-llmc-"))
+    root.mkdir(parents=True, exist_ok=True)
+    token_file = root / "tokens.json"
+    token_file.write_text(json.dumps(tokens))
+
+    rows = []
+    start = time.perf_counter()
+    report = quantize(str(source), recipe, root / "quantkit", overwrite=True, progress=False)
+    rows.append({"tool": "quantkit", "dtype": report.compute.name, "seconds": time.perf_counter() - start,
+                 "path": report.output})
+    for dtype in args.peer_dtypes.split(","):
+        out = root / f"llmc-{dtype}"
+        cmd = [args.peer_python, str(PEER), "--model", str(source), "--tokens", str(token_file), "--algo", args.algo,
+               "--group", str(args.group), "--dtype", dtype, "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+            raise SystemExit(f"llm-compressor ({dtype}) failed with exit code {proc.returncode}")
+        peer = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append({"tool": "llm-compressor 0.14", "dtype": dtype, "seconds": peer["total_s"], "path": out,
+                     "detail": peer})
+
+    text = load_text("emma")
+    base = evaluate_one(str(source), text, args.seq_len, args.windows, False)
+    for row in rows:
+        row["ppl"] = evaluate_one(str(row["path"]), text, args.seq_len, args.windows, False)["ppl"]
+    fastest_peer = min(r["seconds"] for r in rows if r["tool"] != "quantkit")
+    best_peer_ppl = min(r["ppl"] for r in rows if r["tool"] != "quantkit")
+    print(f"perplexity: float32, {args.windows} x {args.seq_len} tokens of emma; original {base['ppl']:.3f}")
+    print(f"{'tool':<20} {'compute':<9} {'wall s':>8} {'vs fastest peer':>16} {'ppl':>8} {'delta':>8}")
+    for r in rows:
+        print(f"{r['tool']:<20} {r['dtype']:<9} {r['seconds']:8.1f} {r['seconds'] / fastest_peer:15.2f}x "
+              f"{r['ppl']:8.3f} {r['ppl'] - base['ppl']:+8.3f}")
+    qk = rows[0]
+    print(f"quantkit time / fastest llm-compressor: {qk['seconds'] / fastest_peer:.2f}; "
+          f"ppl delta quantkit {qk['ppl'] - base['ppl']:+.3f} vs best llm-compressor {best_peer_ppl - base['ppl']:+.3f}")
+    for r in rows[1:]:
+        d = r["detail"]
+        print(f"  llm-compressor {r['dtype']}: load {d['load_s']:.1f} s, oneshot {d['oneshot_s']:.1f} s, "
+              f"save {d['save_s']:.1f} s (torch {d['torch']}, {d['threads']} threads)")
+
+
+if __name__ == "__main__":
+    main()
