@@ -4,7 +4,9 @@ Usage: python bench/decode.py BASELINE [MODEL ...] [--prompt TEXT] [-n 128] [--r
                               [--hf] [--draft DRAFT_MODEL [--num-draft-tokens 4]]
 Each run generates n tokens greedily from the same prompt (end tokens ignored, so every run
 decodes n tokens); runs alternate between the setups and the median TTFT and decode tokens/s of
-each is printed with the ratio to the first row's. --hf adds transformers' `generate` on the
+each is printed with the ratio to the first row's, and as a fraction of its memory-bandwidth
+roofline: bandwidth / weight bytes read per token (every linear's stored weight and the head, in the
+bytes the kernels read), with the read bandwidth measured here (a sum over a 1 GB buffer). --hf adds transformers' `generate` on the
 baseline model (same prompt, greedy, KV cache) as a row; --draft adds speculative decoding of
 the baseline with that draft (acceptance rate printed).
 """
@@ -62,16 +64,53 @@ def main() -> None:
     print("; ".join(dict.fromkeys(f"{n}: {m.quantkit_compute.describe()}" for n, m in models.items())))
     print(f"prompt {args.prompt!r} ({len(ids)} tokens), "
           f"{args.max_new_tokens} new tokens, greedy, median of {args.runs} alternating runs")
-    print("| setup | decode tok/s | vs first row | TTFT ms | tokens | draft acceptance |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    bandwidth = _read_bandwidth()
+    per_token = {f"quantkit {n}": _bytes_per_token(m) for n, m in models.items()}
+    if args.hf:
+        per_token[f"transformers generate {args.models[0]}"] = per_token[f"quantkit {args.models[0]}"]
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over a 1 GB float32 buffer, best of 5)")
+    print("| setup | decode tok/s | vs first row | weight MB/token | roofline tok/s | of roofline | TTFT ms | tokens | draft acceptance |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     first = None
     for name, rs in results.items():
         tps = statistics.median(r[0] for r in rs)
         first = first or tps
         ttft = statistics.median(r[1] for r in rs) * 1e3
         acc = statistics.median(r[3] for r in rs) if rs[0][3] is not None else None
-        print(f"| {name} | {tps:.1f} | {tps / first:.2f}x | {ttft:.0f} | {rs[0][2]} | "
+        b = per_token.get(name)
+        roof = f"{b / 1e6:.0f} | {bandwidth / b:.0f} | {tps / (bandwidth / b):.0%}" if b else "- | - | -"
+        print(f"| {name} | {tps:.1f} | {tps / first:.2f}x | {roof} | {ttft:.0f} | {rs[0][2]} | "
               f"{'-' if acc is None else f'{acc:.0%}'} |")
+
+
+def _read_bandwidth() -> float:
+    import torch
+
+    buf = torch.ones(1 << 28)  # 1 GiB of float32
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best
+
+
+def _bytes_per_token(model) -> int:
+    """Bytes a decode step reads from weights: every linear's stored weight tensors (packed codes and
+    scales for quantized ones) and the LM head; embeddings read one row (ignored)."""
+    from torch import nn
+
+    emb = model.get_input_embeddings()
+    total = 0
+    for module in model.modules():
+        if module is emb:
+            continue
+        if isinstance(module, nn.Linear) or hasattr(module, "weight_packed") or hasattr(module, "weight_scale"):
+            total += sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is emb.weight:  # tied: the head reads the embedding matrix
+        total += head.weight.numel() * head.weight.element_size()
+    return total
 
 
 def _ours(generate, model, tok, ids, params):

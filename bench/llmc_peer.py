@@ -32,6 +32,13 @@ def main() -> None:
     from llmcompressor.modifiers.transform.awq import AWQModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not torch.cuda.is_available():
+        # llm-compressor 0.14's AWQ pins its cached activations for faster host-to-GPU copies, which
+        # raises on a CPU-only torch ("Cannot access accelerator device"); pinning changes no value
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *a, **k: None
+
     tokens = json.load(open(args.tokens))
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=args.group)
     groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}

@@ -28,6 +28,7 @@ from quantkit.formats.compressed_tensors import build_quantization_config
 from quantkit.models.resolve import resolve_model
 from quantkit.finite import check_source
 from quantkit.memory import PeakSampler, available_memory
+from quantkit.plan import Plan, Throughput, make_plan
 from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_model
 from quantkit.recipe import Recipe
 from quantkit.onload import OnloadedModel, skeleton
@@ -71,23 +72,72 @@ def calibration_batches(source: Path, recipe: Recipe, needs_bos: bool) -> list[t
 
 
 def estimate_checkpoint_bytes(model: nn.Module, stages: list[Stage], storage_dtype: torch.dtype) -> int:
-    """Bytes of the checkpoint the stages will write: quantized linears at their bits plus scales
-    (and zero points), every other tensor in the storage dtype."""
+    """Bytes of the checkpoint's tensors the stages will write: each quantized linear as its format's
+    module holds it (an empty one is built on meta: packed words, scales, zero points, shape), every
+    other tensor of the state dict in the storage dtype (non-persistent buffers, e.g. rotary tables,
+    are not written; tied weights once)."""
+    from quantkit.formats.base import format_for
+
     schemes = {n: st.scheme_of(n) for st in stages if st.algorithm.produces_weights for n in st.modules}
     total, seen = 0, set()
     for name, module in model.named_modules():
-        for pname, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-            key = id(t)  # tied parameters are one object (also on meta, where data pointers are all 0)
-            if key in seen:
-                continue  # tied weights are written once
-            seen.add(key)
-            sc = schemes.get(name)
-            if sc is not None and pname == "weight":
-                groups = sc.group_count(t.shape[1]) if sc.strategy == "group" else 1
-                total += t.numel() * sc.num_bits // 8 + t.shape[0] * groups * storage_dtype.itemsize * (1 if sc.symmetric else 2)
-            else:
-                total += t.numel() * (storage_dtype.itemsize if t.is_floating_point() else t.element_size())
+        sc = schemes.get(name)
+        if sc is not None:
+            with torch.device("meta"):
+                packed = format_for(sc).empty_module(module, sc, storage_dtype)
+            total += sum(t.numel() * t.element_size() for t in packed.state_dict().values())
+            seen.update(id(t) for t in module.parameters(recurse=False))
+            continue
+        buffers = [(n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+        for _, t in list(module.named_parameters(recurse=False)) + buffers:
+            if id(t) in seen:  # tied parameters are one object (also on meta, where data pointers are all 0)
+                continue
+            seen.add(id(t))
+            total += t.numel() * (storage_dtype.itemsize if t.is_floating_point() else t.element_size())
     return total
+
+
+def _budget(device: torch.device, asked: Optional[int]) -> Optional[int]:
+    """The activation budget: as asked, else half the memory available now where the activations live."""
+    if asked is not None:
+        return asked
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    return None if free is None else free // 2
+
+
+def _kv_bytes_per_element(stages: list[Stage]) -> Optional[float]:
+    return 1.0 if any(s.spec.algorithm == "kv_cache" for s in stages) else None  # FP8 cache: one byte
+
+
+def plan(model_spec: Optional[str], recipe: Recipe, device: "str | torch.device | None" = devices.DEFAULT,
+         activation_budget_bytes: Optional[int] = None, measure: bool = True, nproc: int = 1) -> Plan:
+    """What quantizing `model_spec` with `recipe` will need (`quantkit.plan`), from its config.json alone."""
+    if nproc != 1:
+        raise QuantizationError("--nproc: distributed calibration is not built yet; plan for one process (--nproc 1)")
+    where = devices.resolve(device)
+    source = resolve_model(model_spec)
+    raw = read_config(source)
+    adapter = adapter_for(raw.get("model_type", "?"))
+    storage_dtype = checkpoint_dtype(raw)
+    choice = compute.choose(storage_dtype, where.device, recipe.calibration.dtype, "calibration.dtype")
+    model = skeleton(model_config(source, raw), choice.dtype)
+    stages = build_stages(model, adapter, recipe)
+    return make_plan(model, stages, adapter, recipe, model_name=str(source), device=where.device,
+                     compute_dtype=choice.dtype, storage_dtype=storage_dtype,
+                     checkpoint_bytes=estimate_checkpoint_bytes(model, stages, storage_dtype),
+                     activation_budget=_budget(where.device, activation_budget_bytes),
+                     throughput=Throughput.measure(choice.dtype) if measure else None, nproc=nproc,
+                     kv_bytes_per_element=_kv_bytes_per_element(stages))
+
+
+def check_plan_fits(p: Plan, available: Optional[int]) -> None:
+    """Refuse a run whose planned peak host memory is above what is available, with the numbers."""
+    if available is not None and p.peak_host_bytes > available:
+        raise QuantizationError(
+            f"this run needs about {p.peak_host_bytes / 1e9:.2f} GB of memory (plan: "
+            + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in p.breakdown.items() if v)
+            + f") and {available / 1e9:.2f} GB is available; lower --activation-budget or calibration.num_samples, "
+            "use --device cuda, or pass --no-memory-check to try anyway (`quantkit plan` shows the whole plan)")
 
 
 def quantize(
@@ -103,6 +153,7 @@ def quantize(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     device: "str | torch.device | None" = devices.DEFAULT,
     activation_budget_bytes: Optional[int] = None,
+    memory_check: bool = True,
 ) -> QuantizeReport:
     """Quantize a checkpoint with `recipe` and write the result to `output`.
 
@@ -121,7 +172,10 @@ def quantize(
 
     activation_budget_bytes: calibration activations kept in memory at most (default: half the memory
     available when calibration starts, on the device they live on); batches beyond it wait on disk in a
-    hidden directory next to the output, removed at the end."""
+    hidden directory next to the output, removed at the end.
+
+    Before any weight is read, the run's plan (`quantkit.plan`) is made: its peak memory and disk are
+    said in one line, and a run that would not fit the available memory is refused (`memory_check`)."""
     if load_mode not in LOAD_MODES:
         raise QuantizationError(f"load mode {load_mode!r}: use one of {', '.join(LOAD_MODES)}")
     where = devices.resolve(device)
@@ -130,7 +184,7 @@ def quantize(
     devices.reset_peak(where.device)
     with PeakSampler(0.02, live=False) as peak:  # resident memory only: cheap to read
         report = _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite, trust_remote_code,
-                           load_mode, max_shard_bytes, peak, where, activation_budget_bytes)
+                           load_mode, max_shard_bytes, peak, where, activation_budget_bytes, memory_check)
     report.peak_rss_bytes = peak.peak_rss
     report.peak_device_bytes = devices.peak_memory_bytes(where.device)
     return report
@@ -138,7 +192,7 @@ def quantize(
 
 def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite, trust_remote_code, load_mode,
               max_shard_bytes, peak: PeakSampler, where: devices.DeviceChoice,
-              activation_budget: Optional[int]) -> QuantizeReport:
+              activation_budget: Optional[int], memory_check: bool) -> QuantizeReport:
     start = time.perf_counter()
     source = resolve_model(model_spec)
     out = Path(output) if output else default_output(source, recipe)
@@ -163,7 +217,17 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
         zeroed = onloaded.check_finite(zero_nonfinite, notify)
     stages = build_stages(model, adapter, recipe)
     fallbacks = _report_fallbacks(stages, notify)
-    check_free_space(out, estimate_checkpoint_bytes(model, stages, storage_dtype))
+    checkpoint_bytes = estimate_checkpoint_bytes(model, stages, storage_dtype)
+    the_plan = make_plan(model, stages, adapter, recipe, model_name=str(source), device=where.device,
+                         compute_dtype=choice.dtype, storage_dtype=storage_dtype, checkpoint_bytes=checkpoint_bytes,
+                         activation_budget=_budget(where.device, activation_budget), throughput=None,
+                         kv_bytes_per_element=_kv_bytes_per_element(stages))
+    notify(f"plan: peak memory ~{the_plan.peak_host_bytes / 1e9:.2f} GB"
+           + (f" host, ~{the_plan.peak_device_bytes / 1e9:.2f} GB {where.device}" if where.is_accelerator else "")
+           + f"; checkpoint ~{checkpoint_bytes / 1e9:.2f} GB; disk ~{the_plan.disk_bytes / 1e9:.2f} GB")
+    if memory_check and load_mode == "layers":
+        check_plan_fits(the_plan, available_memory())
+    check_free_space(out, the_plan.disk_bytes)
     batches = None
     scratch = ExitStack()
     activations = Activations()
@@ -188,6 +252,7 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
             "peak_rss_bytes": peak.peak_rss,  # so far: the files are written at the end of the job
             "group_size_fallbacks": fallbacks,
             "zeroed_nonfinite": zeroed,
+            "plan": the_plan.to_json(),  # the estimate, next to the measured peak_rss_bytes
             "activations": {"budget_bytes": activations.budget.limit, "peak_bytes": activations.budget.peak,
                             "spilled_bytes": activations.budget.spilled_bytes},
             "layers": result.layers,
@@ -205,9 +270,7 @@ def _activations(batches: list[torch.Tensor], hidden_size: int, dtype: torch.dty
     """Where the calibration activations live: in memory up to the budget, the rest in a scratch directory
     (made only when they do not fit; said so, with the numbers)."""
     need = sum(b.numel() for b in batches) * hidden_size * dtype.itemsize
-    if budget is None:
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
-        budget = None if free is None else free // 2
+    budget = _budget(device, budget)
     if budget is None or need <= budget:
         return Activations(Budget(budget))
     spill = scratch.enter_context(scratch_dir(out))

@@ -429,6 +429,16 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_main_in_another_program_leaves_its_sigterm_alone(tiny_llama):
+    """Only the quantkit program (`quantkit.cli.run`) turns SIGTERM into an unwinding exit; a host that
+    calls `main` in its own process (this test runner) keeps its handler."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert run("plugins").exit_code == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_clean_lists_removes_and_leaves_running_ones(tmp_path):
     from quantkit.atomic import WORK_MARKER, atomic_output_dir
 

@@ -130,7 +130,7 @@ def test_plugin_escalates_dampening_with_warning(caplog):
     algo = GPTQ(GPTQConfig(), scheme)
     W = torch.randn(8, 4, generator=torch.Generator().manual_seed(4))
     with caplog.at_level(logging.WARNING):
-        qw, info = algo._solve("model.layers.3.mlp.up_proj", W, _indefinite_hessian(), torch.float32)
+        qw, info = algo._solve("model.layers.3.mlp.up_proj", [W], _indefinite_hessian(), torch.float32)
     assert "model.layers.3.mlp.up_proj" in caplog.text and "raising dampening_frac 0.01 -> 0.1" in caplog.text
     assert info["dampening_frac"] == pytest.approx(0.1)
     assert qw.q.shape == (8, 4)
@@ -141,13 +141,13 @@ def test_plugin_rtn_fallback_is_loud_and_recorded(caplog):
     algo = GPTQ(GPTQConfig(dampening_retries=0), scheme)
     W = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
     with caplog.at_level(logging.ERROR):
-        qw, info = algo._solve("model.layers.0.self_attn.q_proj", W, _indefinite_hessian(), torch.float32)
+        qw, info = algo._solve("model.layers.0.self_attn.q_proj", [W], _indefinite_hessian(), torch.float32)
     assert "FALLING BACK TO RTN" in caplog.text and "model.layers.0.self_attn.q_proj" in caplog.text
     assert info["fallback"] == "rtn"
     assert torch.equal(qw.q, rtn(W, scheme, torch.float32).q)
     strict = GPTQ(GPTQConfig(dampening_retries=0, rtn_fallback=False), scheme)
     with pytest.raises(HessianError, match="q_proj"):
-        strict._solve("model.layers.0.self_attn.q_proj", W, _indefinite_hessian(), torch.float32)
+        strict._solve("model.layers.0.self_attn.q_proj", [W], _indefinite_hessian(), torch.float32)
 
 
 def test_hessian_accumulation_equals_batch_formula():

@@ -54,9 +54,23 @@ def test_cpu_int4_matches_reference(group, symmetric, n, k, dtype):
         bias = torch.randn(n).to(dtype)
         y = packed.matmul(x, bias)
         assert y.shape == (m, n) and y.dtype == dtype
-        # the reference in float32 (the op rounds scales/zeros to dtype: compare with those values)
-        ref = reference.int_weight_matmul(x.float(), codes, scale, zp, gs, bias.float())
-        _close(y, ref.to(dtype) if dtype == torch.float32 else ref)
+        # the reference in float32 (the op rounds scales/zeros to dtype: compare with those values);
+        # float32 inputs run in the op's dtype for them (bf16 where that is faster here): its tolerance
+        op = cpu_int4.op_dtype(dtype)
+        ref = reference.int_weight_matmul(x.to(op).float(), codes, scale, zp, gs, bias.float())
+        _close(y.to(op) if op != dtype else y, ref.to(dtype) if op == torch.float32 else ref)
+
+
+def test_float32_inputs_run_in_the_op_dtype():
+    """A float32 layer calls the op in op_dtype(float32) and returns float32: exactly the op's result on
+    the cast input (so a W4A16 layer computes with 16-bit activations, as its scheme says)."""
+    codes, scale, zp = _weight(64, 256, 64, True)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    op = cpu_int4.op_dtype(torch.float32)
+    assert op in (torch.float32, torch.bfloat16) and cpu_int4.op_dtype(torch.bfloat16) == torch.bfloat16
+    y = cpu_int4.repack(codes, scale, zp, 64, torch.float32).matmul(x)
+    direct = cpu_int4.repack(codes, scale, zp, 64, op).matmul(x.to(op))
+    assert y.dtype == torch.float32 and torch.equal(y, direct.float())
 
 
 def test_cpu_int4_rejects_what_it_cannot_run():

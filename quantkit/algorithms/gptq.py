@@ -19,6 +19,7 @@ from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.algorithms.fp8 import StaticInputScales, nearest_fp8
 from quantkit.quant.fp8 import Fp8Weight, expanded_scale
 from quantkit.quant.gptq import HessianError, gptq_quantize, gptq_quantize_fp8, hessian_error
+from quantkit.memory import release_free_memory
 from quantkit.quant.hessian import HessianAccumulator
 from quantkit.quant.intq import QuantizedWeight, rtn
 from quantkit.registry import ALGORITHMS
@@ -68,13 +69,13 @@ class GPTQ(Algorithm):
     ) -> dict[str, "QuantizedWeight | Fp8Weight"]:
         out = {}
         for group in groups:
+            release_free_memory()  # the last group's temporaries back to the OS before this one's solve
             acc = self._H.pop(group[0], None)  # each Hessian is freed once its group is solved
             assert acc is not None, f"no calibration input reached {group[0]}"
             H = acc.take_hessian()
             # rows are independent given H: linears sharing an input are solved as one stacked matrix
-            W = torch.cat([linears[n].weight.data for n in group])  # [sum(out), in]
             nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
-            qw, solve = self._solve(", ".join(group), W, H, scale_dtype, nearest)
+            qw, solve = self._solve(", ".join(group), [linears[n].weight.data for n in group], H, scale_dtype, nearest)
             # one static input scale per group: its linears read the same input
             input_scale = self._inputs.scale(group[0], scale_dtype) if self.scheme.has_static_input else None
             start = 0
@@ -92,11 +93,12 @@ class GPTQ(Algorithm):
         """Round-to-nearest on the scheme's grid: the fallback, and the baseline of the error report."""
         return nearest_fp8(W, self.scheme, scale_dtype) if self.scheme.is_fp8 else rtn(W, self.scheme, scale_dtype)
 
-    def _solve(self, name: str, W: torch.Tensor, H: torch.Tensor, scale_dtype: torch.dtype,
+    def _solve(self, name: str, weights: list[torch.Tensor], H: torch.Tensor, scale_dtype: torch.dtype,
                nearest: Optional[dict[str, Fp8Weight]] = None) -> tuple["QuantizedWeight | dict[str, Fp8Weight]", dict]:
         """GPTQ with dampening escalation; returns the weight (FP8: per linear) and how it was obtained.
 
-        FP8 schemes need `nearest`, the nearest rounding of each stacked linear (its scales are kept)."""
+        FP8 schemes need `nearest`, the nearest rounding of each stacked linear (its scales are kept).
+        weights: the group's weights, stacked afresh for each attempt into the solver's working copy."""
         cfg = self.config
         damp = cfg.dampening_frac
         actorder = self.scheme.actorder == "static"
@@ -104,10 +106,12 @@ class GPTQ(Algorithm):
             try:
                 if self.scheme.is_fp8:
                     scale = torch.cat([expanded_scale(qw) for qw in nearest.values()])
-                    codes, dead = gptq_quantize_fp8(W, H, scale, cfg.block_size, damp, actorder)
+                    W = torch.cat(weights)  # [sum(out), in]; the solver works in it (overwrite)
+                    codes, dead = gptq_quantize_fp8(W, H, scale, cfg.block_size, damp, actorder, overwrite=True)
                     weight = _fp8_rows(codes, nearest)
                 else:
-                    res = gptq_quantize(W, H, self.scheme, scale_dtype, cfg.block_size, damp, actorder)
+                    # the weights themselves: the solver stacks them into its working copy in visiting order
+                    res = gptq_quantize(weights, H, self.scheme, scale_dtype, cfg.block_size, damp, actorder)
                     if not torch.isfinite(res.weight.scale.float()).all():
                         raise HessianError("non-finite scales")
                     weight, dead = res.weight, res.dead_columns
@@ -124,7 +128,7 @@ class GPTQ(Algorithm):
             raise HessianError(f"GPTQ failed on {name} even with dampening_frac {damp:.3g}; "
                                "set stages.N.args.dampening_frac higher or allow rtn_fallback")
         log.error("GPTQ %s: numerically unsolvable even with dampening_frac %.3g: FALLING BACK TO RTN", name, damp)
-        fallback = nearest if self.scheme.is_fp8 else rtn(W, self.scheme, scale_dtype)
+        fallback = nearest if self.scheme.is_fp8 else rtn(torch.cat(weights), self.scheme, scale_dtype)
         return fallback, {"fallback": "rtn", "dampening_frac": damp}
 
     def _metrics(self, W: torch.Tensor, qw, nearest, H: torch.Tensor, solve: dict) -> dict:

@@ -36,9 +36,16 @@ def main(verbose: int) -> None:
       quantkit eval ppl smollm2-135m smollm2-w4
       quantkit generate smollm2-w4 "It is a truth universally acknowledged"
     """
-    _terminate_cleanly()
     level = logging.WARNING - 10 * verbose
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
+
+
+def run() -> None:
+    """The `quantkit` program (console script, `python -m quantkit`): `main` with SIGTERM unwinding like
+    Ctrl-C. Installed here, not in `main`, so a host that invokes `main` in its own process (a test
+    runner, a notebook) keeps its own SIGTERM handling."""
+    _terminate_cleanly()
+    main()
 
 
 def _terminate_cleanly() -> None:
@@ -51,9 +58,9 @@ def _terminate_cleanly() -> None:
 
 
 def _register() -> None:
-    from quantkit.cli import clean, convert, eval_cmd, generate, models, plugins, quantize, recipes
+    from quantkit.cli import clean, convert, eval_cmd, generate, models, plan, plugins, quantize, recipes
 
-    for module in (clean, convert, eval_cmd, generate, models, plugins, quantize, recipes):
+    for module in (clean, convert, eval_cmd, generate, models, plan, plugins, quantize, recipes):
         main.add_command(module.command)
     main.add_command(generate.chat_command)
 

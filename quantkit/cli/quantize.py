@@ -28,8 +28,10 @@ import click
 @click.option("--activation-budget", type=click.FloatRange(min=0), metavar="GB",
               help="Calibration activations kept in memory at most; batches beyond it wait on disk next to the "
                    "output [default: half the memory available when calibration starts].")
+@click.option("--no-memory-check", is_flag=True,
+              help="Start even when the plan says the run needs more memory than is available.")
 def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_nonfinite, load_mode, max_shard_size,
-            trust_remote_code, device, activation_budget):
+            trust_remote_code, device, activation_budget, no_memory_check):
     """Quantize MODEL (local directory, demo name or hub id; default smollm2-135m).
 
     \b
@@ -49,7 +51,8 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
                       notify=lambda line: click.echo(line, err=True), zero_nonfinite=zero_nonfinite,
                       trust_remote_code=trust_remote_code, load_mode=load_mode,
                       max_shard_bytes=int(max_shard_size * 1e9), device=device,
-                      activation_budget_bytes=None if activation_budget is None else int(activation_budget * 1e9))
+                      activation_budget_bytes=None if activation_budget is None else int(activation_budget * 1e9),
+                      memory_check=not no_memory_check)
     layers = report.result.layers
     click.echo(f"Quantized {len(layers)} linear layers of {report.source} with recipe {recipe.name} "
                f"in {report.seconds:.1f} s")

@@ -30,10 +30,17 @@ class GPTQResult:
     dead_columns: int  # input columns that never saw a non-zero activation
 
 
+ERROR_ROWS = 1024  # rows of W per slice of `hessian_error` (its temporaries stay a few MB)
+
+
 def hessian_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
     """tr((W - W_hat) H (W - W_hat)^T): the layer-output error GPTQ minimises (up to a constant)."""
-    D = W.float() - W_hat.float()  # [out, in]
-    return float(((D @ H.float()) * D).sum(dtype=torch.float64))
+    H = H.float()
+    total = torch.zeros((), dtype=torch.float64, device=W.device)
+    for r in range(0, W.shape[0], ERROR_ROWS):
+        D = W[r : r + ERROR_ROWS].float() - W_hat[r : r + ERROR_ROWS].float()  # [rows, in]
+        total += ((D @ H) * D).sum(dtype=torch.float64)
+    return float(total)
 
 
 def inverse_hessian_factor(H: torch.Tensor, dampening_frac: float, perm: Optional[torch.Tensor] = None,
@@ -45,9 +52,9 @@ def inverse_hessian_factor(H: torch.Tensor, dampening_frac: float, perm: Optiona
     (About twice as fast as inverting and factorizing again.)
 
     perm: factor the permuted Hessian H[perm][:, perm] instead; dead: columns never reached by an input,
-    whose (zero) diagonal entries count as 1. H itself is left as it is. Memory: the reversed (and
-    permuted) copy that is factorized, its factor, and the inverse written over an identity matrix: at
-    most 3 n^2 floats at once, a fifth of an 8B model's down projection solve's old peak less.
+    whose (zero) diagonal entries count as 1. H itself is left as it is. Memory: one reversed (and
+    permuted) copy of H, factorized, inverted and reversed in place: n^2 floats beyond H, plus
+    [n, 256] panels (there were about 7 n^2).
     """
     n = H.shape[0]
     if perm is None:
@@ -58,75 +65,122 @@ def inverse_hessian_factor(H: torch.Tensor, dampening_frac: float, perm: Optiona
     if dead is not None:
         Hf.diagonal()[(dead if perm is None else dead[perm]).flip(0)] = 1.0
     Hf.diagonal().add_(dampening_frac * torch.mean(Hf.diagonal().flip(0)))  # the mean in the solver's order
-    L, info = torch.linalg.cholesky_ex(Hf)
-    del Hf
+    # L in place: LAPACK works column-major, and the column-major view of the symmetric Hf is Hf itself;
+    # its upper factor U0 (U0^T U0 = Hf) read row-major is L. (A row-major out= costs a hidden n^2 copy.)
+    info = torch.empty((), dtype=torch.int32, device=Hf.device)
+    torch.linalg.cholesky_ex(Hf.mT, upper=True, out=(Hf.mT, info))
+    U = Hf
     if info.item() != 0:
         raise HessianError(f"Cholesky of the damped Hessian failed at column {n - info.item()}")
-    eye = torch.eye(n, dtype=L.dtype, device=L.device)
-    U = torch.linalg.solve_triangular(L, eye, upper=False, out=eye)  # L^-1, in place of the identity
-    del L
-    U = U.flip(0, 1)
-    if not torch.isfinite(U).all():
+    _invert_lower_in_place(U)  # L^-1
+    _reverse_in_place(U)  # J L^-1 J
+    if not all_finite(U):
         raise HessianError("the inverse Hessian factor is not finite")
     return U
 
 
+INVERT_BLOCK = 256  # columns per block of the in-place triangular inverse
+
+
+def _invert_lower_in_place(A: torch.Tensor, block: int = INVERT_BLOCK) -> None:
+    """A (lower triangular, zeros above) := A^-1, block column by block column from the last (LAPACK's
+    trtri order): each block column below the diagonal becomes -inv(A22) A21 inv(A11) from the trailing
+    part already inverted, then the diagonal block is inverted. Temporaries: one [n, block] panel."""
+    n = A.shape[0]
+    for j in range(((n - 1) // block) * block, -1, -block):
+        e = min(j + block, n)
+        diag = A[j:e, j:e]
+        if e < n:
+            panel = A[e:, e:] @ A[e:, j:e]  # inv(A22) A21 (the trailing part is lower triangular: zeros above)
+            A[e:, j:e] = torch.linalg.solve_triangular(diag, panel, upper=False, left=False).neg_()
+        eye = torch.eye(e - j, dtype=A.dtype, device=A.device)
+        diag.copy_(torch.linalg.solve_triangular(diag, eye, upper=False))
+
+
+def _reverse_in_place(A: torch.Tensor, block: int = INVERT_BLOCK) -> None:
+    """A := J A J (both orders reversed: A[i, j] <- A[n-1-i, n-1-j]), swapping row blocks from the two ends."""
+    n = A.shape[0]
+    top, bottom = 0, n
+    while bottom - top >= 2 * block:
+        upper = A[top : top + block].flip(0, 1)  # copies
+        A[top : top + block] = A[bottom - block : bottom].flip(0, 1)
+        A[bottom - block : bottom] = upper
+        top, bottom = top + block, bottom - block
+    if bottom > top:  # the middle rows: reverse them among themselves
+        A[top:bottom] = A[top:bottom].flip(0, 1)
+
+
+def all_finite(t: torch.Tensor, rows: int = 1024) -> bool:
+    """torch.isfinite(t).all(), a slice of rows at a time (on a whole n x n matrix isfinite's
+    temporaries peak at ~1.75 times the matrix)."""
+    return all(bool(torch.isfinite(t[r : r + rows]).all()) for r in range(0, t.shape[0], rows))
+
+
 def gptq_quantize(
-    W: torch.Tensor,
+    W: "torch.Tensor | list[torch.Tensor]",
     H: torch.Tensor,
     scheme: QuantScheme,
     scale_dtype: torch.dtype,
     block_size: int = 128,
     dampening_frac: float = 0.01,
     actorder: bool = False,
+    overwrite: bool = False,
 ) -> GPTQResult:
     """Quantize W [out, in] given the input Hessian H [in, in] (float32).
 
     Without act-order, group scales are computed as their first column is reached, from the
     error-compensated weights. With act-order, columns are visited by decreasing diag(H), and
     scales are fixed beforehand per contiguous group of the original order ("static" groups),
-    so the checkpoint needs no g_idx.
+    so the checkpoint needs no g_idx. overwrite: W (float32) may serve as the working copy.
+
+    W may be a list of weights sharing the input (stacked on the output dim, as one matrix): the working
+    copy is then filled from them, already in visiting order, so no unpermuted stack is ever made.
     """
-    W, diag, dead = _prepare(W, H)
-    out_f, n = W.shape
-    static = actorder or scheme.strategy == "channel"
-    if static:
-        scale, zp = minmax_qparams(W, scheme, scale_dtype)  # [out, groups]
+    if isinstance(W, (list, tuple)):
+        W, diag, dead, perm, scale, zp = _stack_permuted(W, H, scheme, scale_dtype, actorder)
+        out_f, n = W.shape
+        static = actorder or scheme.strategy == "channel"
     else:
+        W, diag, dead = _prepare(W, H, overwrite)
+        out_f, n = W.shape
+        static = actorder or scheme.strategy == "channel"
+        scale, zp = minmax_qparams(W, scheme, scale_dtype) if static else (None, None)  # [out, groups]
+        perm = _order(diag, actorder)
+        if actorder:
+            W = W[:, perm]
+    if not static:
         groups = scheme.group_count(n)
         scale = torch.empty(out_f, groups, dtype=scale_dtype, device=W.device)
         zp = None if scheme.symmetric else torch.empty(out_f, groups, dtype=torch.int8, device=W.device)
-
-    perm = _order(diag, actorder)
-    if actorder:
-        W = W[:, perm]
     Hinv = inverse_hessian_factor(H, dampening_frac, perm if actorder else None, dead)
     gsize = n if scheme.strategy == "channel" else scheme.group_size
     if not static:  # keep groups inside one lazy block so their columns are up to date
         block_size = math.ceil(block_size / gsize) * gsize
-    group_of = perm // gsize  # [in] group index of each permuted column
-    if static:  # per-column scales gathered up front: [in, out]
-        s_cols = scale.float().t()[group_of].contiguous()
-        z_cols = zp.float().t()[group_of].contiguous() if zp is not None else torch.zeros_like(s_cols)
+    group_of = (perm // gsize).tolist()  # group index of each permuted column
+    if static:  # each group's scales (and zero points) as one float32 row: [groups, out]
+        s_rows = scale.float().t().contiguous()
+        z_rows = zp.float().t().contiguous() if zp is not None else None
     else:  # filled group by group, as each group's first column is reached
-        s_cols, z_cols = torch.empty(n, out_f, device=W.device), torch.zeros(n, out_f, device=W.device)
+        s_rows = torch.empty(scheme.group_count(n), out_f, device=W.device)
+        z_rows = None if zp is None else torch.zeros_like(s_rows)
 
     def round_column(j: int, W1: torch.Tensor, i: int, q: torch.Tensor, deq: torch.Tensor) -> None:
+        g = group_of[j]
         if not static and j % gsize == 0:
-            _group_qparams(W1[i : i + gsize], int(group_of[j]), scheme, scale_dtype, scale, zp,
-                           s_cols[j : j + gsize], z_cols[j : j + gsize])
-        w, s = W1[i], s_cols[j]
+            _group_qparams(W1[i : i + gsize], g, scheme, scale_dtype, scale, zp, s_rows[g],
+                           None if z_rows is None else z_rows[g])
+        w, s = W1[i], s_rows[g]
         torch.div(w, s, out=q)
         if scheme.symmetric:
             q.round_().clamp_(scheme.qmin, scheme.qmax)
             torch.mul(q, s, out=deq)
         else:
-            z = z_cols[j]
+            z = z_rows[g]
             q.add_(z).round_().clamp_(scheme.qmin, scheme.qmax)
             torch.sub(q, z, out=deq).mul_(s)
 
-    Qt = _solve_columns(W, Hinv, block_size, round_column)
-    Q = Qt[torch.argsort(perm)].t().to(torch.int8).contiguous()  # [out, in] in the original column order
+    Qt = _solve_columns(W, Hinv, block_size, round_column, torch.int8)
+    Q = Qt[torch.argsort(perm)].t().contiguous()  # [out, in] int8 in the original column order
     return GPTQResult(QuantizedWeight(Q, scale, zp, scheme), int(dead.sum()))
 
 
@@ -137,6 +191,7 @@ def gptq_quantize_fp8(
     block_size: int = 128,
     dampening_frac: float = 0.01,
     actorder: bool = False,
+    overwrite: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """e4m3 codes [out, in] of W [out, in] on the fixed per-element scales `scale` [out, in] (a
     per-tensor, per-channel or per-block scale expanded to W's shape), and the count of dead columns.
@@ -144,7 +199,7 @@ def gptq_quantize_fp8(
     Dequantized value = code x scale, as in `quantkit.quant.fp8`. The scales stay those given (the
     nearest rounding's), so the codes can replace the nearest codes in the same checkpoint layout.
     """
-    W, diag, dead = _prepare(W, H)
+    W, diag, dead = _prepare(W, H, overwrite)
     out_f, n = W.shape
     if scale.shape != W.shape:
         raise ValueError(f"scale must be expanded to the weight's shape {tuple(W.shape)}, got {tuple(scale.shape)}")
@@ -160,24 +215,29 @@ def gptq_quantize_fp8(
         q.copy_(q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))  # nearest e4m3, saturating (exact in float32)
         torch.mul(q, s, out=deq)
 
-    Qt = _solve_columns(W, Hinv, block_size, round_column)
-    codes = Qt[torch.argsort(perm)].t().contiguous().to(FP8_DTYPE)  # [out, in], original column order
+    Qt = _solve_columns(W, Hinv, block_size, round_column, FP8_DTYPE)
+    codes = Qt[torch.argsort(perm)].t().contiguous().view(FP8_DTYPE)  # [out, in], original column order
     return codes, int(dead.sum())
 
 
-def _solve_columns(W: torch.Tensor, Hinv: torch.Tensor, block_size: int, round_column) -> torch.Tensor:
+def _solve_columns(W: torch.Tensor, Hinv: torch.Tensor, block_size: int, round_column,
+                   code_dtype: torch.dtype) -> torch.Tensor:
     """The GPTQ column loop over W [out, in] (already in visiting order; updated in place).
 
     round_column(j, W1, i, q, deq) rounds column j (row i of the current transposed block W1),
     writing its codes into q and its dequantized values into deq. Each column's error, scaled by
     1 / Hinv[j, j], is pushed onto the block's later columns at once and onto the columns after the
-    block in one matrix product per block ("lazy batch updates"). Returns the codes transposed [in, out].
+    block in one matrix product per block ("lazy batch updates"), accumulated in place. Returns the codes
+    transposed [in, out], in `code_dtype` (int8; FP8 codes as their bytes, uint8), so no float32 copy of
+    the codes is ever whole.
 
     This is the solver's hot path: it works on transposed blocks ([B, out], so one column is one
     contiguous row) and writes into preallocated rows (it runs once per input column).
     """
     out_f, n = W.shape
-    Qt = torch.empty(n, out_f, dtype=torch.float32, device=W.device)
+    fp8 = code_dtype == FP8_DTYPE
+    Qt = torch.empty(n, out_f, dtype=torch.uint8 if fp8 else code_dtype, device=W.device)
+    Q1 = torch.empty(min(block_size, n), out_f, dtype=torch.float32, device=W.device)  # this block's codes
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
         W1 = W[:, i1:i2].t().contiguous()  # [B, out] block being quantized, updated in place
@@ -186,23 +246,63 @@ def _solve_columns(W: torch.Tensor, Hinv: torch.Tensor, block_size: int, round_c
         neg_inv_d = (-1.0 / torch.diagonal(Hinv1)).tolist()
         for i in range(i2 - i1):
             err = Err1[i]
-            round_column(i1 + i, W1, i, Qt[i1 + i], err)
+            round_column(i1 + i, W1, i, Q1[i], err)
             err.sub_(W1[i]).mul_(neg_inv_d[i])  # (w - dequant(q)) / Hinv[i, i]
             if i + 1 < i2 - i1:
                 W1[i + 1 :].addr_(Hinv1[i, i + 1 :], err, alpha=-1.0)  # W1[j] -= Hinv1[i, j] * err
-        W[:, i2:] -= Err1.t() @ Hinv[i1:i2, i2:]  # lazy batch update of the remaining columns
+        block = Q1[: i2 - i1]
+        Qt[i1:i2] = block.to(FP8_DTYPE).view(torch.uint8) if fp8 else block.to(code_dtype)
+        if i2 < n:  # lazy batch update of the remaining columns, in place
+            W[:, i2:].addmm_(Err1.t(), Hinv[i1:i2, i2:], alpha=-1.0)
     return Qt
 
 
-def _prepare(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A float32 working copy of W with the columns whose input was always zero ("dead") zeroed; H's
-    diagonal as the solver sees it (dead entries 1); the dead mask. H itself is not copied."""
-    W = W.detach().float().clone()  # [out, in]
+def _prepare(W: torch.Tensor, H: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float32 working copy of W (W itself when `overwrite` and it is float32) with the columns whose
+    input was always zero ("dead") zeroed; H's diagonal as the solver sees it (dead entries 1); the dead
+    mask. H itself is not copied."""
+    given = W
+    W = W.detach().float()  # [out, in]
+    if W.data_ptr() == given.data_ptr() and not overwrite:
+        W = W.clone()
     diag = torch.diag(H).float()  # a copy
     dead = diag == 0
     diag[dead] = 1.0
     W[:, dead] = 0.0
     return W, diag, dead
+
+
+def _stack_permuted(weights: list[torch.Tensor], H: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype,
+                    actorder: bool):
+    """`_prepare` + `_order` + the static scales for weights stacked on the output dim, with the float32
+    working copy written straight in visiting order (row blocks of it, one weight at a time)."""
+    n = weights[0].shape[1]
+    diag = torch.diag(H).float()
+    dead = diag == 0
+    diag[dead] = 1.0
+    perm = _order(diag, actorder)
+    out_f = sum(w.shape[0] for w in weights)
+    W = torch.empty(out_f, n, dtype=torch.float32, device=weights[0].device)
+    static = actorder or scheme.strategy == "channel"
+    scales, zps, start = [], [], 0
+    for w in weights:
+        rows = W[start : start + w.shape[0]]
+        start += w.shape[0]
+        if static:  # min/max of the original order, dead columns as zeros
+            s, z = minmax_qparams(w.float().masked_fill(dead, 0.0) if bool(dead.any()) else w, scheme, scale_dtype)
+            scales.append(s)
+            zps.append(z)
+        if actorder:
+            if w.dtype == torch.float32:
+                torch.index_select(w, 1, perm, out=rows)
+            else:
+                rows.copy_(w[:, perm])
+        else:
+            rows.copy_(w)
+    W[:, dead[perm] if actorder else dead] = 0.0
+    scale = torch.cat(scales) if static else None
+    zp = torch.cat(zps) if static and zps[0] is not None else None
+    return W, diag, dead, perm, scale, zp
 
 
 def _order(diag: torch.Tensor, actorder: bool) -> torch.Tensor:
@@ -211,10 +311,11 @@ def _order(diag: torch.Tensor, actorder: bool) -> torch.Tensor:
 
 
 def _group_qparams(cols, g, scheme, scale_dtype, scale, zp, s_out, z_out) -> None:
-    """Min/max parameters of group g from its current (error-compensated) columns [gs, out]."""
+    """Min/max parameters of group g from its current (error-compensated) columns [gs, out], written to
+    the scale table and to the group's float32 rows s_out / z_out [out]."""
     s, z = compute_qparams(cols.amin(dim=0), cols.amax(dim=0), scheme, scale_dtype)
     scale[:, g] = s
-    s_out.copy_(s.float().expand_as(s_out))
+    s_out.copy_(s.float())
     if zp is not None:
         zp[:, g] = z
-        z_out.copy_(z.float().expand_as(z_out))
+        z_out.copy_(z.float())

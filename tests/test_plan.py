@@ -1,0 +1,97 @@
+"""`quantkit plan` (quantkit.plan): what a quantize run needs, from config.json alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoConfig
+
+import quantkit.quantize as job
+from quantkit.cli import main
+from quantkit.errors import QuantizationError
+from quantkit.formats.lazy import LazyCheckpoint
+from quantkit.quantize import plan, quantize
+from quantkit.recipe import load_recipe
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+                 tie_word_embeddings=False)
+
+
+@pytest.fixture
+def config_only(tmp_path):
+    """A Llama-3-8B-shaped model directory with nothing but config.json: no weights at all."""
+    AutoConfig.for_model("llama", dtype="bfloat16", **LLAMA3_8B).save_pretrained(tmp_path / "llama8b")
+    return tmp_path / "llama8b"
+
+
+def test_plan_from_config_alone_counts_the_parameters(config_only):
+    p = plan(str(config_only), load_recipe("rtn-w4a16"), device="cpu", measure=False)
+    h, i, kv, L, V = 4096, 14336, 8 * 128, 32, 128256
+    assert p.parameters["embeddings"] == V * h and p.parameters["head"] == V * h
+    assert p.parameters["attention"] == L * (2 * h * h + 2 * h * kv)
+    assert p.parameters["mlp"] == L * 3 * h * i
+    assert p.parameters["other"] == L * 2 * h + h  # the norms
+    assert sum(p.parameters.values()) == 8_030_261_248
+    assert p.source_bytes == 2 * 8_030_261_248
+    assert p.quantized_parameters == p.parameters["attention"] + p.parameters["mlp"]
+    # 4-bit codes plus one bf16 scale per 128 weights and an int64 shape pair per linear; the rest in bf16
+    q = p.quantized_parameters
+    assert p.checkpoint_bytes == q // 2 + (q // 128) * 2 + 16 * 7 * L + 2 * (sum(p.parameters.values()) - q)
+    assert p.kv_bytes_per_token == 2 * L * 8 * 128 * 2 and p.context == 8192
+    assert p.disk_bytes == p.checkpoint_bytes and p.activation_bytes == 0  # rtn: no calibration
+    assert 1e9 < p.peak_host_bytes < 4e9  # one layer, not the model (measured: 1.81 GB, issue 14's note)
+
+
+def test_gptq_plan_accounts_for_the_hessians(config_only):
+    recipe = load_recipe("gptq-w4a16", ["calibration.num_samples=16", "calibration.seq_len=256"])
+    p = plan(str(config_only), recipe, device="cpu", measure=False, activation_budget_bytes=10**12)
+    assert p.activation_bytes == 16 * 256 * 4096 * torch.tensor([], dtype=getattr(torch, p.compute_dtype)).element_size()
+    # solving the down projection: its Hessian and one 14336^2 copy of it, and its stacked weight
+    assert p.breakdown["solver"] == 2 * 4 * 14336**2 + 4 * 14336 * 4096
+    rtn = plan(str(config_only), load_recipe("rtn-w4a16"), device="cpu", measure=False)
+    assert p.peak_host_bytes > rtn.peak_host_bytes
+
+
+def test_plan_json_and_cli(config_only, tmp_path):
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(main, ["plan", str(config_only), "--recipe", "awq-w4a16", "--device", "cpu",
+                                    "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "peak memory" in res.output and "KV cache" in res.output and "bits per weight" in res.output
+    data = json.loads(out.read_text())
+    for key in ("checkpoint_bytes", "peak_host_bytes", "peak_device_bytes", "disk_bytes", "kv_bytes_per_token"):
+        assert isinstance(data[key], int) and data[key] >= 0, key
+    assert data["peak_device_bytes"] == 0 and data["estimated_seconds"] > 0
+    res = CliRunner().invoke(main, ["plan", str(config_only), "--recipe", "rtn-w4a16", "--nproc", "2"])
+    assert res.exit_code == 2 and "distributed calibration is not built yet" in res.output
+
+
+def test_plan_checkpoint_size_is_the_exported_tensors(tiny_llama, tmp_path):
+    recipe = load_recipe("gptq-w4a16-asym", ["stages.0.scheme.group_size=32", "calibration.num_samples=4",
+                                             "calibration.seq_len=32"])
+    p = plan(str(tiny_llama), recipe, device="cpu", measure=False)
+    out = quantize(str(tiny_llama), recipe, tmp_path / "q", progress=False).output
+    ckpt = LazyCheckpoint(out)
+    stored = 0
+    for key in ckpt.keys():
+        dtype, shape = ckpt.info(key)
+        stored += dtype.itemsize * int(torch.tensor(shape).prod()) if shape else dtype.itemsize
+    assert p.checkpoint_bytes == stored
+    assert json.loads((out / "quantkit.json").read_text())["plan"]["checkpoint_bytes"] == stored
+
+
+def test_quantize_refuses_early_when_memory_is_short(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(job, "available_memory", lambda: 10_000_000)  # 10 MB
+    lines = []
+    with pytest.raises(QuantizationError, match=r"needs about 0\.\d\d GB of memory .* and 0\.01 GB is available.*"
+                                                 r"--no-memory-check"):
+        quantize(str(tiny_llama), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]), tmp_path / "q",
+                 progress=False, notify=lines.append)
+    assert not (tmp_path / "q").exists() and any(line.startswith("plan: peak memory") for line in lines)
+    report = quantize(str(tiny_llama), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]), tmp_path / "q",
+                      progress=False, memory_check=False)
+    assert report.output.exists()
