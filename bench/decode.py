@@ -31,7 +31,13 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true", help="Also time transformers' generate on the first model.")
     parser.add_argument("--draft", help="Also time speculative decoding of the first model with this draft.")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--policy-as", choices=["AVX2"], help="Let the compute policy choose as it would on "
+                        "this kind of CPU (the hardware is still this one): AVX2 = float32, automatically.")
     args = parser.parse_args()
+    if args.policy_as:
+        from quantkit import compute
+
+        compute.cpu_features = lambda: compute.CpuFeatures(args.policy_as, True)
 
     import torch
 

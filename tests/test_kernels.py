@@ -54,23 +54,40 @@ def test_cpu_int4_matches_reference(group, symmetric, n, k, dtype):
         bias = torch.randn(n).to(dtype)
         y = packed.matmul(x, bias)
         assert y.shape == (m, n) and y.dtype == dtype
-        # the reference in float32 (the op rounds scales/zeros to dtype: compare with those values);
-        # float32 inputs run in the op's dtype for them (bf16 where that is faster here): its tolerance
-        op = cpu_int4.op_dtype(dtype)
-        ref = reference.int_weight_matmul(x.to(op).float(), codes, scale, zp, gs, bias.float())
-        _close(y.to(op) if op != dtype else y, ref.to(dtype) if op == torch.float32 else ref)
+        # the reference in float32 (the op rounds scales/zeros to dtype: compare with those values)
+        ref = reference.int_weight_matmul(x.float(), codes, scale, zp, gs, bias.float())
+        _close(y, ref.to(dtype) if dtype == torch.float32 else ref)
 
 
-def test_float32_inputs_run_in_the_op_dtype():
-    """A float32 layer calls the op in op_dtype(float32) and returns float32: exactly the op's result on
-    the cast input (so a W4A16 layer computes with 16-bit activations, as its scheme says)."""
+def test_float32_inputs_can_run_the_op_in_bf16():
+    """Weights repacked for a bf16 op take float32 inputs and return float32: exactly the op's result on
+    the cast input (a W4A16 layer's 16-bit activations)."""
     codes, scale, zp = _weight(64, 256, 64, True)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
-    op = cpu_int4.op_dtype(torch.float32)
-    assert op in (torch.float32, torch.bfloat16) and cpu_int4.op_dtype(torch.bfloat16) == torch.bfloat16
-    y = cpu_int4.repack(codes, scale, zp, 64, torch.float32).matmul(x)
-    direct = cpu_int4.repack(codes, scale, zp, 64, op).matmul(x.to(op))
-    assert y.dtype == torch.float32 and torch.equal(y, direct.float())
+    assert cpu_int4.op_dtype(torch.float32) in (torch.float32, torch.bfloat16)
+    assert cpu_int4.op_dtype(torch.bfloat16) == torch.bfloat16
+    w = cpu_int4.repack(codes, scale, zp, 64, torch.bfloat16)
+    y = w.matmul(x)
+    assert y.dtype == torch.float32 and torch.equal(y, w.matmul(x.to(torch.bfloat16)).float())
+
+
+def test_loader_lets_int4_layers_run_fast_only_when_float32_was_not_asked_for(tiny_models, tmp_path, monkeypatch):
+    """float32 chosen by the policy (no fast bf16 here) lets W4A16 layers use the faster op dtype;
+    float32 asked for (dtype=, QUANTKIT_COMPUTE_DTYPE) keeps them exact."""
+    import quantkit
+    from quantkit import compute
+    from quantkit.quantize import quantize
+    from quantkit.recipe import load_recipe
+    from quantkit.runtime.qlinear import PackedIntLinear
+
+    out = quantize(str(tiny_models["llama"]), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]),
+                   tmp_path / "q", progress=False).output
+    monkeypatch.setattr(compute, "cpu_features", lambda: compute.CpuFeatures("AVX2", True))
+    auto = quantkit.load(out)
+    asked = quantkit.load(out, dtype="float32")
+    assert auto.quantkit_compute.name == "float32" and auto.quantkit_compute.source == "auto"
+    flags = lambda m: {x.fast_activations for x in m.modules() if isinstance(x, PackedIntLinear)}  # noqa: E731
+    assert flags(auto) == {True} and flags(asked) == {False}
 
 
 def test_cpu_int4_rejects_what_it_cannot_run():

@@ -109,8 +109,7 @@ def repack(codes: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.
            dtype: torch.dtype, inner_k_tiles: int = 2) -> Int4PackedCPU:
     """codes int8 [N, K] in [-8, 7], scale [N, G], zero_point int [N, G] or None -> the op's layout.
 
-    dtype: the activation dtype; the scales are kept in the dtype the op runs in for it (`op_dtype`)."""
-    dtype = op_dtype(dtype)
+    dtype: the dtype the op runs in (the activations are cast to it: see `op_dtype`); the scales are kept in it."""
     n, k = codes.shape
     kg = kernel_group_size(k, group_size)
     if kg is None:

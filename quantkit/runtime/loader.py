@@ -91,6 +91,10 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
         offload_mod.move_resident(model, where.device)  # offloaded slots stay on meta until their layer runs
     model.eval()
     model.requires_grad_(False)  # an inference model: no autograd bookkeeping, and the decode step may fuse weights
+    if choice.source == "auto" and dtype == torch.float32:  # float32 for want of fast bf16: W4A16 layers
+        for module in model.modules():                        # may run their int4 op in bf16 (A16)
+            if hasattr(module, "fast_activations"):
+                module.fast_activations = True
     if not offloading.offloaded:  # offloaded layers prepare their kernels at each load
         prepare_kernels(model, dtype)
     model.quantkit_source = str(path)

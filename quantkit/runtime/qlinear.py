@@ -48,6 +48,9 @@ class PackedIntLinear(nn.Module):
             self.weight_zero_point = None
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=scale_dtype, device=device), requires_grad=False) if bias else None
         self._prepared: Optional[tuple] = None  # (key, kernel name, repacked weight or None)
+        # float32 inputs may run the CPU int4 op in bf16 where that is faster (`cpu_int4.op_dtype`): set by
+        # the loader when float32 is the machine's automatic choice, never when float32 was asked for
+        self.fast_activations = False
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: Optional[torch.Tensor]) -> "PackedIntLinear":
@@ -89,14 +92,15 @@ class PackedIntLinear(nn.Module):
         device, dtype, weight version and QUANTKIT_KERNEL value). Returns the kernel's name."""
         device = torch.device(device) if device is not None else self.weight_packed.device
         dtype = dtype or self.weight_scale.dtype
-        key = (forced_kernel(), device, dtype, self.weight_packed._version, self.weight_scale._version,
+        key = (forced_kernel(), device, dtype, self.fast_activations, self.weight_packed._version, self.weight_scale._version,
                None if self.weight_zero_point is None else self.weight_zero_point._version)
         if self._prepared is not None and self._prepared[0] == key:
             return self._prepared[1]
         name = choose_int_kernel(device, self.scheme.num_bits, self.in_features, self.kernel_group_size)
         packed = None
         if name == "cpu":
-            packed = cpu_int4.repack(self.codes(), self.weight_scale, self.zero_points(), self.kernel_group_size, dtype)
+            op = cpu_int4.op_dtype(dtype) if self.fast_activations else dtype
+            packed = cpu_int4.repack(self.codes(), self.weight_scale, self.zero_points(), self.kernel_group_size, op)
         elif name == "triton":
             from quantkit.kernels import triton_w4a16  # imports triton: only when it is used
 
