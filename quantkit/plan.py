@@ -169,14 +169,12 @@ class Throughput:
 
 def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_name: str, device: torch.device,
               compute_dtype: torch.dtype, storage_dtype: torch.dtype, checkpoint_bytes: int,
-              activation_budget: Optional[int], throughput: Optional[Throughput], nproc: int = 1,
-              kv_bytes_per_element: Optional[float] = None) -> Plan:
+              activation_budget: Optional[int], throughput: Optional[Throughput], nproc: int = 1) -> Plan:
     """The plan of quantizing the (meta) `model` with `stages` (see the module docstring)."""
     config = model.config
     layers = adapter.layers(model)
     prefix = adapter.layers_path + "."
     parts = parameters_by_part(model, adapter.layers_path, adapter.attention)
-    total = sum(parts.values())
     itemsize = compute_dtype.itemsize
     source = sum(t.numel() * (storage_dtype.itemsize if t.is_floating_point() else t.element_size())
                  for t in _unique_tensors(model))
@@ -216,7 +214,7 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
     if outside > layer_phase:
         breakdown = {"process": BASE_PROCESS_BYTES, "largest outside tensor": outside}
 
-    kv_elem = kv_bytes_per_element if kv_bytes_per_element is not None else float(itemsize)
+    kv_elem = 1.0 if any(s.spec.algorithm == "kv_cache" for s in stages) else float(itemsize)  # FP8 cache: 1 byte
     seconds, rates = _estimate(stages, adapter, layers, linears, tokens, source, quantized_params, throughput, cal,
                                layer_params)
     return Plan(

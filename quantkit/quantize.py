@@ -105,10 +105,6 @@ def _budget(device: torch.device, asked: Optional[int]) -> Optional[int]:
     return None if free is None else free // 2
 
 
-def _kv_bytes_per_element(stages: list[Stage]) -> Optional[float]:
-    return 1.0 if any(s.spec.algorithm == "kv_cache" for s in stages) else None  # FP8 cache: one byte
-
-
 def plan(model_spec: Optional[str], recipe: Recipe, device: "str | torch.device | None" = devices.DEFAULT,
          activation_budget_bytes: Optional[int] = None, measure: bool = True, nproc: int = 1) -> Plan:
     """What quantizing `model_spec` with `recipe` will need (`quantkit.plan`), from its config.json alone."""
@@ -126,8 +122,7 @@ def plan(model_spec: Optional[str], recipe: Recipe, device: "str | torch.device 
                      compute_dtype=choice.dtype, storage_dtype=storage_dtype,
                      checkpoint_bytes=estimate_checkpoint_bytes(model, stages, storage_dtype),
                      activation_budget=_budget(where.device, activation_budget_bytes),
-                     throughput=Throughput.measure(choice.dtype) if measure else None, nproc=nproc,
-                     kv_bytes_per_element=_kv_bytes_per_element(stages))
+                     throughput=Throughput.measure(choice.dtype) if measure else None, nproc=nproc)
 
 
 def check_plan_fits(p: Plan, available: Optional[int]) -> None:
@@ -220,8 +215,7 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
     checkpoint_bytes = estimate_checkpoint_bytes(model, stages, storage_dtype)
     the_plan = make_plan(model, stages, adapter, recipe, model_name=str(source), device=where.device,
                          compute_dtype=choice.dtype, storage_dtype=storage_dtype, checkpoint_bytes=checkpoint_bytes,
-                         activation_budget=_budget(where.device, activation_budget), throughput=None,
-                         kv_bytes_per_element=_kv_bytes_per_element(stages))
+                         activation_budget=_budget(where.device, activation_budget), throughput=None)
     notify(f"plan: peak memory ~{the_plan.peak_host_bytes / 1e9:.2f} GB"
            + (f" host, ~{the_plan.peak_device_bytes / 1e9:.2f} GB {where.device}" if where.is_accelerator else "")
            + f"; checkpoint ~{checkpoint_bytes / 1e9:.2f} GB; disk ~{the_plan.disk_bytes / 1e9:.2f} GB")
