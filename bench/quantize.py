@@ -32,7 +32,7 @@ def main() -> None:
                              "quantized model through one with its calibrated scales")
     args = parser.parse_args()
 
-    from quantkit.eval.report import evaluate_one
+    from quantkit.eval.ppl_table import evaluate_one
     from quantkit.calibration.data import load_text
     from quantkit.models.resolve import resolve_model
     from quantkit.quantize import quantize

@@ -40,7 +40,7 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
 
     from quantkit.calibration.data import load_text
-    from quantkit.eval.report import evaluate_one
+    from quantkit.eval.ppl_table import evaluate_one
     from quantkit.models.resolve import resolve_model
 
     meta = json.loads((args.checkpoint / "quantkit.json").read_text())

@@ -40,7 +40,7 @@ def main() -> None:
 
     from quantkit import compute
     from quantkit.calibration.data import load_text
-    from quantkit.eval.report import evaluate_one
+    from quantkit.eval.ppl_table import evaluate_one
     from quantkit.models.resolve import resolve_model
     from quantkit.quantize import calibration_batches, quantize
     from quantkit.recipe import load_recipe

@@ -237,7 +237,7 @@ def test_nan_perplexity_is_an_error_and_null_in_json(tiny_llama, tmp_path):
 
 
 def test_a_bad_second_model_fails_before_the_first_is_scored(tiny_llama, tmp_path, monkeypatch):
-    import quantkit.eval.report as report
+    import quantkit.eval.ppl_table as report
 
     monkeypatch.setattr(report, "perplexity", lambda *a, **k: pytest.fail("scored before every model was checked"))
     res = run("eval", "ppl", tiny_llama, tmp_path / "missing", "--seq-len", "32", "--max-windows", "4")
@@ -253,7 +253,7 @@ def test_generation_options_fail_before_the_model_loads(tiny_llama, monkeypatch)
 
 
 def test_json_path_is_checked_before_the_evaluation(tiny_llama, tmp_path, monkeypatch):
-    import quantkit.eval.report as report
+    import quantkit.eval.ppl_table as report
 
     monkeypatch.setattr(report, "evaluate_many", lambda *a, **k: pytest.fail("evaluated before --json was checked"))
     res = run("eval", "ppl", tiny_llama, "--json", tmp_path / "missing" / "p.json")

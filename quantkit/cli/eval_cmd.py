@@ -1,4 +1,5 @@
-"""`quantkit eval ppl`: perplexity of one or more checkpoints, with deltas against a baseline."""
+"""`quantkit eval`: checkpoints against their original (ppl, KLD, top-1) on several texts in one pass;
+`eval ppl` (perplexity only, the float32 protocol) and `eval tasks` (lm-eval-harness)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,78 @@ from pathlib import Path
 import click
 
 
-@click.group("eval")
+class _DefaultCompare(click.Group):
+    """`quantkit eval MODEL...` is `quantkit eval compare MODEL...`; subcommand names still win."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = ["compare", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group("eval", cls=_DefaultCompare)
 def command():
-    """Evaluate checkpoints."""
+    """Evaluate checkpoints: `quantkit eval CKPT...` compares them with their original (perplexity,
+    KL divergence, top-1 agreement); `eval ppl` is perplexity alone; `eval tasks` runs lm-eval tasks."""
+
+
+@command.command("compare")
+@click.argument("models", nargs=-1, required=True)
+@click.option("--original", help="The unquantized model [default: the source in the first checkpoint's "
+              "quantkit.json, else the first MODEL].")
+@click.option("--dataset", "datasets", multiple=True, default=["emma"], show_default=True,
+              help="Shipped text (emma, persuasion, ...) or a .txt/.jsonl/.parquet file; repeat or comma-separate "
+                   "for several, all scored in the same pass.")
+@click.option("--text-column", default="text", show_default=True, help="Text column for .jsonl/.parquet files.")
+@click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(min=2), help="Tokens per window.")
+@click.option("--max-windows", default=16, show_default=True, type=click.IntRange(min=0),
+              help="Windows per dataset (0 = all).")
+@click.option("--max-tokens", type=click.IntRange(min=1), help="At most this many tokens of each text.")
+@click.option("--batch-size", default=1, show_default=True, type=click.IntRange(min=1), help="Windows per forward.")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="Compute dtype; auto is the machine's fast one (docs: its difference from float32), float32 the "
+                   "protocol of `eval ppl`.")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]|mps",
+              help="Where the models run; auto takes CUDA when present (and says so).")
+@click.option("--offload", default="none", show_default=True, type=click.Choice(["auto", "none", "disk"]),
+              help="disk: each model's decoder layers load from disk as they run (slow; for models that do not fit).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="fp8: every model attends through an FP8 KV cache with its calibrated k/v scales.")
+@click.option("--encoding", default="utf-8", show_default=True, help="Encoding of .txt dataset files.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write protocol, models and rows as JSON.")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def compare(models, original, datasets, text_column, seq_len, max_windows, max_tokens, batch_size, dtype, device,
+            offload, kv_cache_dtype, encoding, json_path, no_progress):
+    """Compare checkpoints with their original: perplexity, KL divergence (mean, 99th percentile) and top-1
+    agreement, on every dataset, in one pass over the data.
+
+    \b
+    Examples:
+      quantkit eval ./smollm2-w4 ./smollm2-awq
+      quantkit eval ./smollm2-w4 --original smollm2-135m --dataset emma,persuasion --json eval.json
+      quantkit eval ./gemma-w4 --max-windows 4 --dtype float32
+    """
+    from quantkit.eval.compare import evaluate, find_original, format_protocol, format_table
+
+    if json_path:
+        check_json_path(json_path)
+    names = [n.strip() for d in datasets for n in d.split(",") if n.strip()]
+    original, checkpoints, how = find_original(list(models), original)
+    click.echo(f"original: {original} ({how})", err=True)
+    result = evaluate(original, checkpoints, names, seq_len, max_windows or None, max_tokens, batch_size, dtype,
+                      device, offload, None if kv_cache_dtype == "auto" else kv_cache_dtype, text_column, encoding,
+                      progress=not no_progress)
+    for line in result.notes:
+        click.echo(line, err=True)
+    click.echo(format_protocol(result.protocol))
+    click.echo(format_table(result.rows))
+    click.echo(f"{result.tokens_per_second:.0f} tokens/s over {len(result.models)} models, {result.seconds:.1f} s")
+    if json_path:
+        json_path.write_text(json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n")
+        click.echo(f"Wrote {json_path}")
+    failed = [f"{r['model']} on {r['dataset']}" for r in result.rows if r.get("error")]
+    if failed:
+        raise EvalFailed(f"no valid result for {', '.join(failed)} (see the table)")
 
 
 @command.command("ppl")
@@ -44,7 +114,7 @@ def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path,
       quantkit eval ppl gemma3-270m --dataset persuasion --seq-len 1024
       quantkit eval ppl ./smollm2-fp8-kv --kv-cache-dtype fp8
     """
-    from quantkit.eval.report import evaluate_many, format_table
+    from quantkit.eval.ppl_table import evaluate_many, format_table
 
     if json_path:
         check_json_path(json_path)  # before the evaluation, not after it
