@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[gguf,triton,dev]'
+	$(BIN)/pip install --quiet -e '.[gguf,triton,dev,eval]'
 	touch $(STAMP)
 
 demo: install

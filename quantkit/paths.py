@@ -10,6 +10,7 @@ PROJECT_ROOT = PACKAGE_ROOT.parent  # the checkout; quantkit is installed editab
 RECIPES_DIR = PROJECT_ROOT / "recipes"
 CALIBRATION_DIR = PROJECT_ROOT / "calibration_data"
 EVAL_DATA_DIR = PROJECT_ROOT / "evals" / "data"
+EVAL_TASKS_DIR = PROJECT_ROOT / "evals" / "tasks"  # lm-eval YAML tasks shipped with quantkit
 
 
 def cache_dir() -> Path:

@@ -134,6 +134,58 @@ def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path,
         raise EvalFailed(f"no valid perplexity for {', '.join(failed)} (see the table)")
 
 
+@command.command("tasks")
+@click.argument("model")
+@click.option("--tasks", "task_names", required=True,
+              help="Comma-separated lm-eval tasks: shipped offline ones (austen = austen_cloze, austen_next_word, "
+                   "austen_ppl) or lm-eval's own (their data comes from the hub).")
+@click.option("--limit", type=float, help="At most this many documents per task (or a fraction below 1).")
+@click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot examples per prompt [default: the task's].")
+@click.option("--batch-size", default=1, show_default=True, type=click.IntRange(min=1), help="Requests per forward.")
+@click.option("--max-length", type=click.IntRange(min=2), help="Tokens per request [default: the context, at most 2048].")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="Compute dtype (auto: the machine's fast one).")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]|mps",
+              help="Where the model runs; auto takes CUDA when present (and says so).")
+@click.option("--offload", default="auto", show_default=True, type=click.Choice(["auto", "none", "disk"]),
+              help="disk: decoder layers load from disk as they run (for models that do not fit).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="fp8: generation attends through an FP8 KV cache with the checkpoint's scales.")
+@click.option("--include-path", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A directory of your own lm-eval YAML tasks.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed for few-shot sampling and sampling.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write lm-eval's results as JSON.")
+def tasks(model, task_names, limit, num_fewshot, batch_size, max_length, dtype, device, offload, kv_cache_dtype,
+          include_path, seed, json_path):
+    """Task accuracy of MODEL through lm-eval-harness, with quantkit's runner as the model.
+
+    \b
+    Examples:
+      quantkit eval tasks ./smollm2-w4 --tasks austen
+      quantkit eval tasks smollm2-135m --tasks austen_cloze --limit 50 --json tasks.json
+      quantkit eval tasks ./q --tasks hellaswag,arc_easy     # where the hub is reachable
+    """
+    if json_path:
+        check_json_path(json_path)
+    try:
+        from lm_eval.utils import make_table
+
+        from quantkit.eval import tasks as tasks_mod
+    except ImportError as exc:
+        raise click.ClickException(f"lm-eval is not installed ({exc}); install it with: pip install 'quantkit[eval]' "
+                                   "(or pip install lm-eval)") from exc
+    names = [t.strip() for t in task_names.split(",") if t.strip()]
+    results = tasks_mod.run(model, names, limit, batch_size, num_fewshot, dtype, device, offload, include_path,
+                            max_length, seed, None if kv_cache_dtype == "auto" else kv_cache_dtype)
+    click.echo(results["quantkit"]["compute"], err=True)
+    click.echo(make_table(results))
+    if json_path:
+        keep = {k: results[k] for k in ("results", "versions", "n-shot", "higher_is_better", "n-samples", "quantkit")
+                if k in results}
+        json_path.write_text(json.dumps(keep, indent=2, default=str) + "\n")
+        click.echo(f"Wrote {json_path}")
+
+
 class EvalFailed(click.ClickException):
     exit_code = 2
 
