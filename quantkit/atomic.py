@@ -28,11 +28,12 @@ WORK_MARKER = ".quantkit-work.json"  # inside a hidden work directory while it i
 # files (calibration activations waiting on disk)
 WORK_KINDS = ("tmp", "old", "act")
 UNMARKED_GRACE_SECONDS = 600  # a work directory without a marker (older quantkit) is stale after this
-# what quantkit writes into an output directory (weights, config, recipe, report, tokenizer files)
+# what quantkit writes into an output directory (weights, config, recipe, tokenizer files; a report's files)
 OUTPUT_FILES = ("config.json", OUTPUT_MARKER, "recipe.yaml", "model.safetensors", "model.safetensors.index.json",
                 "model-*-of-*.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                "chat_template.jinja", "chat_template.json", "*.py")
+                "chat_template.jinja", "chat_template.json", "*.py",
+                "report.md", "report.html", "report.json", "*.png")  # `quantkit report`
 
 
 class OutputWriteError(QuantkitError, OSError):
