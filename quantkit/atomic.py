@@ -27,6 +27,9 @@ WORK_MARKER = ".quantkit-work.json"  # inside a hidden work directory while it i
 # .NAME.tmp-*: the output being written; .NAME.old-*: the output being replaced; .NAME.act-*: a run's scratch
 # files (calibration activations waiting on disk)
 WORK_KINDS = ("tmp", "old", "act")
+# .NAME.run: a layer-by-layer run's resumable state (`quantkit.resume`); kept after the run stops, removed by
+# --restart, by `quantkit clean`, or when the run finishes, never by the next run's cleanup of leftovers
+RUN_SUFFIX = ".run"
 UNMARKED_GRACE_SECONDS = 600  # a work directory without a marker (older quantkit) is stale after this
 # what quantkit writes into an output directory (weights, config, recipe, tokenizer files; a report's files)
 OUTPUT_FILES = ("config.json", OUTPUT_MARKER, "recipe.yaml", "model.safetensors", "model.safetensors.index.json",
@@ -163,12 +166,14 @@ def _write_marker(work: Path, out: Path) -> None:
 class WorkDir:
     path: Path
     output: Path  # the output it belongs to
-    kind: str  # "tmp" (being written) or "old" (being replaced)
+    kind: str  # "tmp" (being written), "old" (being replaced), "act" (scratch), "run" (a run's resumable state)
     active: bool  # its process is still running
     bytes: int
 
     def describe(self) -> str:
-        state = "in use by a running process" if self.active else "left by a process that is gone"
+        state = "in use by a running process" if self.active else (
+            "a stopped run's finished layers: `quantize --resume` continues it" if self.kind == "run"
+            else "left by a process that is gone")
         return f"{self.path} ({self.kind}, {self.bytes / 1e6:.1f} MB, {state})"
 
 
@@ -193,6 +198,11 @@ def find_work_dirs(directory: Path, output_name: Optional[str] = None) -> list[W
     if not directory.is_dir():
         return found
     for entry in sorted(directory.iterdir()):
+        if entry.is_dir() and entry.name.startswith(".") and entry.name.endswith(RUN_SUFFIX) and \
+                (output_name is None or entry.name == f".{output_name}{RUN_SUFFIX}"):
+            active = (entry / WORK_MARKER).exists() and _owner_alive(entry)  # no marker: the run has stopped
+            found.append(WorkDir(entry, directory / entry.name[1:-len(RUN_SUFFIX)], "run", active, _size(entry)))
+            continue
         for kind in WORK_KINDS:
             prefix = f".{output_name}.{kind}-" if output_name else "."
             if entry.is_dir() and entry.name.startswith(prefix) and f".{kind}-" in entry.name:
@@ -223,7 +233,7 @@ def remove_stale(work_dirs: Iterable[WorkDir]) -> list[str]:
 def clean_stale_for(out: Path) -> list[str]:
     """Remove stale work directories of output `out` (called before a run writes it)."""
     out = Path(out).expanduser().resolve()
-    return remove_stale(find_work_dirs(out.parent, out.name))
+    return remove_stale(w for w in find_work_dirs(out.parent, out.name) if w.kind != "run")  # a stopped run: resumable
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from accelerate import init_empty_weights
@@ -126,11 +126,13 @@ class OnloadedModel:
 
     # -- the pipeline's hooks --------------------------------------------------------------------
 
-    def begin(self, writer: ShardWriter, needs_embeddings: bool) -> None:
-        """Write the tensors before the decoder layers; when calibration runs, let the embeddings read
-        the rows each batch looks up (and only those) from the checkpoint."""
-        self.writer = writer
-        self._write_outside(self.head)
+    def begin(self, writer: Optional[ShardWriter], needs_embeddings: bool) -> None:
+        """Write the tensors before the decoder layers (writer None: they were written already, by a run
+        now resumed); when calibration runs, let the embeddings read the rows each batch looks up (and
+        only those) from the checkpoint."""
+        if writer is not None:
+            self.writer = writer
+            self._write_outside(self.head)
         if needs_embeddings:
             self._hooks = self._rows_on_demand(*self._embedding_owner())
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from functools import reduce
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterable, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
@@ -204,6 +204,10 @@ def quantize_model(
     store: Optional[LayerStore] = None,
     device: torch.device = torch.device("cpu"),
     activations: Optional[Activations] = None,
+    start_layer: int = 0,
+    resume_hidden: Optional[Iterable[torch.Tensor]] = None,
+    on_layer_done: Optional[Callable[[int, Optional[LayerInputs], QuantizationResult], None]] = None,
+    result: Optional[QuantizationResult] = None,
 ) -> QuantizationResult:
     """Quantize `model` in place; returns which modules were quantized and per-module errors.
 
@@ -211,17 +215,30 @@ def quantize_model(
     each layer is loaded just before its turn and handed back, quantized, right after it.
     device: where each layer computes (the rest of the model stays where it is).
     activations: where the calibration activations are kept (with a memory budget and a spill directory);
-    by default in memory without a limit."""
+    by default in memory without a limit.
+
+    Resuming (`quantkit.resume`): layers before `start_layer` are done (`result` holds their report);
+    `resume_hidden` are the calibration activations entering `start_layer` (the other layers' arguments
+    are captured again, which runs only the embeddings). on_layer_done(index, inputs, result) is called
+    after each layer is handed back to the store, with the next layer's inputs in `inputs`."""
     start = time.perf_counter()
     layers = adapter.layers(model)
     needs_data = any(s.algorithm.needs_calibration for s in stages)
     if needs_data and not batches:
         raise QuantizationError("a stage needs calibration data but no calibration batches were given")
-    result = QuantizationResult()
+    result = result if result is not None else QuantizationResult()
     with result.phase("capture layer inputs"):
         inputs = capture_layer_inputs(model, layers, batches, device, activations) if needs_data else None
+    if start_layer and inputs is not None:
+        inputs.hidden.clear()
+        inputs.hidden = inputs.hidden.successor()
+        for t in resume_hidden:
+            inputs.hidden.append(t.to(device))
+        for li in range(start_layer):
+            inputs.kwargs[li] = []
     notes: dict[str, dict] = {}  # what transforms report per linear, logged when it is quantized
-    bar = tqdm(range(len(layers)), desc="quantizing layers", unit="layer", disable=not progress)
+    bar = tqdm(range(start_layer, len(layers)), desc="quantizing layers", unit="layer", disable=not progress,
+               initial=start_layer, total=len(layers))
     result.on_phase = lambda name: bar.set_postfix_str(name, refresh=True)
     for li in bar:
         prefix = f"{adapter.layers_path}.{li}."
@@ -257,6 +274,8 @@ def quantize_model(
                 store.finish_layer(li, layers[li])
         elif device.type != "cpu":
             layers[li].to("cpu")  # the quantized layer rejoins the model
+        if on_layer_done is not None:
+            on_layer_done(li, inputs if li < len(layers) - 1 else None, result)
         release_free_memory()
     result.on_phase = None
     bar.close()

@@ -221,9 +221,16 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
         model=model_name, recipe=recipe.name, device=str(device), compute_dtype=str(compute_dtype).removeprefix("torch."),
         storage_dtype=str(storage_dtype).removeprefix("torch."), parameters=parts, source_bytes=source,
         checkpoint_bytes=checkpoint_bytes, quantized_parameters=quantized_params, peak_host_bytes=int(host),
-        peak_device_bytes=int(dev), disk_bytes=int(checkpoint_bytes + spill), activation_bytes=int(act),
+        peak_device_bytes=int(dev), disk_bytes=int(disk_needed(checkpoint_bytes, act, spill)), activation_bytes=int(act),
         kv_bytes_per_token=kv_bytes_per_token(config, kv_elem),
         context=int(getattr(config, "max_position_embeddings", 0) or 0), estimated_seconds=seconds, nproc=nproc, breakdown={k: int(v) for k, v in breakdown.items()}, throughput=rates)
+
+
+def disk_needed(checkpoint_bytes: int, activation_bytes: int, spill_bytes: int) -> int:
+    """Disk of a layer-by-layer run: the run's resumable state (every finished layer's tensors, and the
+    activations at the last layer boundary, written beside the previous copy before it is replaced,
+    `quantkit.resume`), the output assembled from it, and calibration activations spilled past the budget."""
+    return 2 * checkpoint_bytes + 2 * activation_bytes + spill_bytes
 
 
 def _unique_tensors(model: nn.Module):

@@ -32,6 +32,7 @@ from quantkit.plan import Plan, Throughput, make_plan
 from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_model
 from quantkit.recipe import Recipe
 from quantkit.onload import OnloadedModel, skeleton
+from quantkit import resume as resume_mod
 from quantkit.runtime.loader import checkpoint_dtype, load, load_tokenizer, model_config
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,8 @@ def quantize(
     device: "str | torch.device | None" = devices.DEFAULT,
     activation_budget_bytes: Optional[int] = None,
     memory_check: bool = True,
+    resume: bool = False,
+    restart: bool = False,
 ) -> QuantizeReport:
     """Quantize a checkpoint with `recipe` and write the result to `output`.
 
@@ -170,16 +173,27 @@ def quantize(
     hidden directory next to the output, removed at the end.
 
     Before any weight is read, the run's plan (`quantkit.plan`) is made: its peak memory and disk are
-    said in one line, and a run that would not fit the available memory is refused (`memory_check`)."""
+    said in one line, and a run that would not fit the available memory is refused (`memory_check`).
+
+    A "layers" run keeps its state at each layer boundary next to the output (`quantkit.resume`): after a
+    crash or Ctrl-C, `resume` continues at the first unfinished layer (bit-identical output; a changed
+    source, recipe or setting is refused), `restart` discards the stopped run. Without either, a stopped
+    run's state in the way is an error saying so."""
     if load_mode not in LOAD_MODES:
         raise QuantizationError(f"load mode {load_mode!r}: use one of {', '.join(LOAD_MODES)}")
+    if (resume or restart) and load_mode != "layers":
+        raise QuantizationError("--resume/--restart need --load layers (the default): a whole-model run keeps no "
+                                "state between layers")
+    if resume and restart:
+        raise QuantizationError("--resume continues a stopped run and --restart discards it: give one of them")
     where = devices.resolve(device)
     if where.is_accelerator:
         notify(where.describe())
     devices.reset_peak(where.device)
     with PeakSampler(0.02, live=False) as peak:  # resident memory only: cheap to read
         report = _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite, trust_remote_code,
-                           load_mode, max_shard_bytes, peak, where, activation_budget_bytes, memory_check)
+                           load_mode, max_shard_bytes, peak, where, activation_budget_bytes, memory_check, resume,
+                           restart)
     report.peak_rss_bytes = peak.peak_rss
     report.peak_device_bytes = devices.peak_memory_bytes(where.device)
     return report
@@ -187,7 +201,8 @@ def quantize(
 
 def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite, trust_remote_code, load_mode,
               max_shard_bytes, peak: PeakSampler, where: devices.DeviceChoice,
-              activation_budget: Optional[int], memory_check: bool) -> QuantizeReport:
+              activation_budget: Optional[int], memory_check: bool, resume: bool = False,
+              restart: bool = False) -> QuantizeReport:
     start = time.perf_counter()
     source = resolve_model(model_spec)
     out = Path(output) if output else default_output(source, recipe)
@@ -253,9 +268,26 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
         }
         return {"recipe.yaml": recipe.to_yaml(), "quantkit.json": json.dumps(metadata, indent=2) + "\n"}
 
-    with scratch:
-        result = _run(model, adapter, stages, batches, storage_dtype, progress, where, activations, onloaded, out,
-                      overwrite, source, extra_files, trust_remote_code, notify, max_shard_bytes)
+    state = None
+    if onloaded is not None:
+        settings = {"load": load_mode, "compute_dtype": choice.name, "device_type": where.device.type,
+                    "world_size": 1, "max_shard_bytes": max_shard_bytes, "zero_nonfinite": bool(zero_nonfinite)}
+        manifest = resume_mod.fingerprint(source, recipe.to_yaml(), batches, settings)
+        state = resume_mod.RunState.open(out, manifest, resume, restart, notify)
+    try:
+        with scratch:
+            result = _run(model, adapter, stages, batches, storage_dtype, progress, where, activations, onloaded, out,
+                          overwrite, source, extra_files, trust_remote_code, notify, max_shard_bytes, state)
+    except BaseException:
+        if state is not None:
+            state.release()
+            if state.finished:
+                notify(state.stopped_message(out, len(adapter.layers(model))))
+            else:
+                state.remove()  # nothing finished: nothing worth keeping
+        raise
+    if state is not None:
+        state.remove()  # a finished run leaves nothing but its output
     return QuantizeReport(out, source, result, time.perf_counter() - start, choice, where)
 
 
@@ -274,8 +306,9 @@ def _activations(batches: list[torch.Tensor], hidden_size: int, dtype: torch.dty
 
 
 def _run(model, adapter, stages, batches, storage_dtype, progress, where, activations, onloaded, out, overwrite, source,
-         extra_files, trust_remote_code, notify, max_shard_bytes) -> QuantizationResult:
-    """The pipeline and the export: whole-model, or onloaded with the shards written as layers finish."""
+         extra_files, trust_remote_code, notify, max_shard_bytes, state=None) -> QuantizationResult:
+    """The pipeline and the export: whole-model, or onloaded with each layer's tensors kept as it finishes
+    (in the run's state, `quantkit.resume`) and the shards assembled from them at the end."""
     if onloaded is None:
         result = quantize_model(model, adapter, stages, batches, storage_dtype, progress, device=where.device,
                                 activations=activations)
@@ -286,15 +319,68 @@ def _run(model, adapter, stages, batches, storage_dtype, progress, where, activa
             notify=notify, max_shard_bytes=max_shard_bytes)
     else:
         with atomic_output_dir(out, overwrite, protect=[source]) as tmp:  # an interrupted run leaves nothing at out
-            writer = ShardWriter(tmp, max_shard_bytes)
-            onloaded.begin(writer, needs_embeddings=batches is not None)
-            result = quantize_model(model, adapter, stages, batches, storage_dtype, progress, store=onloaded,
-                                    device=where.device, activations=activations)
+            part = None if state.has("head") else state.part("head")
+            onloaded.begin(part, needs_embeddings=batches is not None)  # None: written by the stopped run
+            if part is not None:
+                state.keep("head", part)
+            result = _restored(state.report)
+            start = state.finished
+            result = quantize_model(
+                model, adapter, stages, batches, storage_dtype, progress, store=_PartStore(onloaded, state),
+                device=where.device, activations=activations, start_layer=start,
+                resume_hidden=state.hidden() if start and batches is not None else None, result=result,
+                on_layer_done=lambda li, inputs, res: state.layer_done(li, inputs.hidden if inputs else None,
+                                                                       _report_of(res)))
+            part = state.part("tail")
+            onloaded.writer = part
             onloaded.end()
+            state.keep("tail", part)
+            writer = ShardWriter(tmp, max_shard_bytes)
+            n = len(adapter.layers(model))
+            state.assemble(writer, ["head", *(resume_mod.layer_part(i) for i in range(n)), "tail"])
             writer.close()
             write_model_files(tmp, model, storage_dtype, source,
                               build_quantization_config(model, result.quantized, result.kv_cache_scheme),
                               extra_files(result), trust_remote_code, notify)
+    return result
+
+
+class _PartStore:
+    """The pipeline's layer store for a resumable run: each finished layer's tensors go to a part file of the
+    run's state (`quantkit.resume`) instead of straight to the output shards."""
+
+    def __init__(self, onloaded: OnloadedModel, state: "resume_mod.RunState"):
+        self.onloaded, self.state = onloaded, state
+
+    def load_layer(self, index: int, layer: nn.Module) -> None:
+        self.onloaded.load_layer(index, layer)
+
+    def finish_layer(self, index: int, layer: nn.Module) -> None:
+        part = self.state.part(resume_mod.layer_part(index))
+        self.onloaded.writer = part
+        self.onloaded.finish_layer(index, layer)
+        self.state.keep(resume_mod.layer_part(index), part)
+
+
+def _report_of(result: QuantizationResult) -> dict:
+    """What a resumed run needs of the finished layers' report (JSON)."""
+    return {"layers": result.layers, "kv_scales": result.kv_scales, "kv_cache_scheme": result.kv_cache_scheme,
+            "quantized": {name: scheme.model_dump(mode="json") for name, (_, scheme) in result.quantized.items()},
+            "timings": result.timings}
+
+
+def _restored(report: dict) -> QuantizationResult:
+    from quantkit.formats.base import format_for
+    from quantkit.schemes import QuantScheme
+
+    result = QuantizationResult()
+    result.layers = list(report.get("layers", []))
+    result.kv_scales = list(report.get("kv_scales", []))
+    result.kv_cache_scheme = report.get("kv_cache_scheme")
+    result.timings = dict(report.get("timings", {}))
+    for name, data in report.get("quantized", {}).items():
+        scheme = QuantScheme.model_validate(data)
+        result.quantized[name] = (format_for(scheme), scheme)
     return result
 
 

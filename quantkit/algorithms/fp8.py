@@ -10,6 +10,8 @@ over a random sample of the input values).
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from pydantic import Field
 from torch import nn
@@ -73,7 +75,7 @@ class StaticInputScales:
         acts = scheme.input_activations
         self._observer = acts.observer if scheme.has_static_input else None
         self._samples = samples
-        self._gen = torch.Generator().manual_seed(seed)
+        self._seed = seed
         self._by_name: dict[str, InputScaleObserver] = {}
 
     def clear(self) -> None:
@@ -83,7 +85,10 @@ class StaticInputScales:
         if self._observer is None:
             return
         if name not in self._by_name:
-            self._by_name[name] = InputScaleObserver(self._observer, self._samples, self._gen)
+            # a generator per linear, seeded from its name: its samples do not depend on which layers ran
+            # before it in this process (a resumed run draws the same ones)
+            gen = torch.Generator().manual_seed((self._seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62))
+            self._by_name[name] = InputScaleObserver(self._observer, self._samples, gen)
         self._by_name[name].add(x)
 
     def scale(self, name: str, scale_dtype: torch.dtype) -> torch.Tensor:

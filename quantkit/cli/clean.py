@@ -11,10 +11,12 @@ import click
 @click.argument("directories", nargs=-1, type=click.Path(path_type=Path, file_okay=False))
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 def command(directories, dry_run):
-    """Remove leftovers of stopped runs (.NAME.tmp-* / .NAME.old-*) in DIRECTORIES [default: .].
+    """Remove leftovers of stopped runs (.NAME.tmp-* / .NAME.old-* / .NAME.act-*) and stopped runs'
+    resumable state (.NAME.run) in DIRECTORIES [default: .].
 
     A work directory whose run is still going is left alone. A run stopped while replacing an
-    output had moved the old output aside: it is put back.
+    output had moved the old output aside: it is put back. Removing a .NAME.run discards the layers
+    a stopped run finished (`quantize --resume` would have continued from them).
 
     \b
     Examples:

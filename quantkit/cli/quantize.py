@@ -30,8 +30,11 @@ import click
                    "output [default: half the memory available when calibration starts].")
 @click.option("--no-memory-check", is_flag=True,
               help="Start even when the plan says the run needs more memory than is available.")
+@click.option("--resume", is_flag=True, help="Continue a stopped run of this output at its first unfinished layer "
+              "(refused, with what differs, if the source, recipe or settings changed).")
+@click.option("--restart", is_flag=True, help="Discard a stopped run of this output and start over.")
 def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_nonfinite, load_mode, max_shard_size,
-            trust_remote_code, device, activation_budget, no_memory_check):
+            trust_remote_code, device, activation_budget, no_memory_check, resume, restart):
     """Quantize MODEL (local directory, demo name or hub id; default smollm2-135m).
 
     \b
@@ -52,7 +55,7 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
                       trust_remote_code=trust_remote_code, load_mode=load_mode,
                       max_shard_bytes=int(max_shard_size * 1e9), device=device,
                       activation_budget_bytes=None if activation_budget is None else int(activation_budget * 1e9),
-                      memory_check=not no_memory_check)
+                      memory_check=not no_memory_check, resume=resume, restart=restart)
     layers = report.result.layers
     click.echo(f"Quantized {len(layers)} linear layers of {report.source} with recipe {recipe.name} "
                f"in {report.seconds:.1f} s")

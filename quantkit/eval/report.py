@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import html
 import json
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -264,9 +263,7 @@ def to_html(doc: list[Block]) -> str:
 def gather(original: str, checkpoints: list[str], evaluation: dict, prompts: Sequence[str], max_new_tokens: int,
            dtype: str, device: str) -> dict:
     """Everything the document says, as JSON-able data (written as report.json)."""
-    import torch
-
-    from quantkit import __version__
+    from quantkit import __version__, compute
     from quantkit.models.resolve import resolve_model
 
     specs = [original] + checkpoints
@@ -284,7 +281,7 @@ def gather(original: str, checkpoints: list[str], evaluation: dict, prompts: Seq
         ckpts.append({"model": spec, "path": str(path), "role": "original" if i == 0 else "checkpoint", **facts})
     return {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "quantkit_version": __version__,
-            "machine": f"{platform.machine()} CPU {torch.backends.cpu.get_cpu_capability()}",
+            "machine": compute.machine_summary(),
             "parameters": params, "eval": evaluation, "checkpoints": ckpts, "max_new_tokens": max_new_tokens,
             "generations": greedy_side_by_side(specs, prompts, max_new_tokens, dtype, device) if prompts else []}
 
