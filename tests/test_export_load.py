@@ -110,7 +110,11 @@ def test_interrupted_export_leaves_nothing(tiny_llama, tmp_path, monkeypatch, ex
     monkeypatch.setattr(export_mod, "write_json", boom)
     with pytest.raises(exc_type):
         quantize(str(tiny_llama), load_recipe("rtn-w4a16", W4_32), tmp_path / "q", progress=False)
-    assert list(tmp_path.iterdir()) == []
+    # no output, no half-written files: only the stopped run's resumable state (every layer finished)
+    assert [p.name for p in tmp_path.iterdir()] == [".q.run"]
+    monkeypatch.undo()
+    quantize(str(tiny_llama), load_recipe("rtn-w4a16", W4_32), tmp_path / "q", progress=False, resume=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]
 
 
 def test_interrupted_overwrite_keeps_previous_output(tiny_llama, tmp_path, monkeypatch):
@@ -123,7 +127,7 @@ def test_interrupted_overwrite_keeps_previous_output(tiny_llama, tmp_path, monke
     with pytest.raises(KeyboardInterrupt):
         quantize(str(tiny_llama), load_recipe("rtn-w8a16"), out, overwrite=True, progress=False)
     assert (out / "model.safetensors").read_bytes() == before
-    assert [p.name for p in tmp_path.iterdir()] == ["q"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".q.run", "q"]  # and the stopped run's state
 
 
 @pytest.fixture
