@@ -167,9 +167,11 @@ class OnloadedModel:
             self._write(prefix + rel, t)
         layer.to("meta")
 
-    def end(self) -> None:
-        """Write the tensors after the decoder layers and drop the embeddings."""
-        self._write_outside(self.tail)
+    def end(self, write: bool = True) -> None:
+        """Write the tensors after the decoder layers (unless not `write`: a rank that writes nothing) and
+        drop the embeddings."""
+        if write:
+            self._write_outside(self.tail)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

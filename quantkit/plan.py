@@ -16,6 +16,7 @@ Figures are estimates; `bench/big_model.py` measures the real job (the note of i
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -192,7 +193,10 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
     cal = recipe.calibration
     calibrates = any(s.algorithm.needs_calibration for s in stages)
     tokens = cal.num_samples * (cal.seq_len + (1 if adapter.needs_bos else 0)) if calibrates else 0
-    act = tokens * config.hidden_size * itemsize
+    # nproc ranks (`quantkit.distributed`): each holds its share of the batches' activations
+    batches = math.ceil(cal.num_samples / cal.batch_size)
+    share = math.ceil(batches / nproc) / batches if calibrates else 0
+    act = int(tokens * share) * config.hidden_size * itemsize
     act_held = min(2 * act, activation_budget) if activation_budget is not None else 2 * act
     spill = max(0, 2 * act - act_held)
 
@@ -205,11 +209,11 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
     layer_phase = layer_params * itemsize + act_held + work + extra
     breakdown = {"process": BASE_PROCESS_BYTES, "layer": layer_params * itemsize, "activations": act_held,
                  "quantize": work, "solver": extra}
-    if device.type == "cpu":
-        host = BASE_PROCESS_BYTES + max(outside, layer_phase)
+    if device.type == "cpu":  # every rank on this host
+        host = nproc * (BASE_PROCESS_BYTES + max(outside, layer_phase))
         dev = 0
-    else:
-        host = BASE_PROCESS_BYTES + max(outside, layer_params * itemsize)
+    else:  # one device per rank
+        host = nproc * (BASE_PROCESS_BYTES + max(outside, layer_params * itemsize))
         dev = layer_phase
     if outside > layer_phase:
         breakdown = {"process": BASE_PROCESS_BYTES, "largest outside tensor": outside}
@@ -217,6 +221,8 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
     kv_elem = 1.0 if any(s.spec.algorithm == "kv_cache" for s in stages) else float(itemsize)  # FP8 cache: 1 byte
     seconds, rates = _estimate(stages, adapter, layers, linears, tokens, source, quantized_params, throughput, cal,
                                layer_params)
+    if seconds is not None and nproc > 1:
+        seconds /= nproc  # ideal sharing of the forwards and solves (each rank also reads every layer)
     return Plan(
         model=model_name, recipe=recipe.name, device=str(device), compute_dtype=str(compute_dtype).removeprefix("torch."),
         storage_dtype=str(storage_dtype).removeprefix("torch."), parameters=parts, source_bytes=source,

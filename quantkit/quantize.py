@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from quantkit import __version__
-from quantkit import compute, devices
+from quantkit import compute, devices, distributed
 from quantkit.arch.adapter import adapter_for
 from quantkit.atomic import (atomic_output_dir, check_free_space, check_output_free, check_writable, clean_stale_for,
                              scratch_dir)
@@ -109,8 +110,6 @@ def _budget(device: torch.device, asked: Optional[int]) -> Optional[int]:
 def plan(model_spec: Optional[str], recipe: Recipe, device: "str | torch.device | None" = devices.DEFAULT,
          activation_budget_bytes: Optional[int] = None, measure: bool = True, nproc: int = 1) -> Plan:
     """What quantizing `model_spec` with `recipe` will need (`quantkit.plan`), from its config.json alone."""
-    if nproc != 1:
-        raise QuantizationError("--nproc: distributed calibration is not built yet; plan for one process (--nproc 1)")
     where = devices.resolve(device)
     source = resolve_model(model_spec)
     raw = read_config(source)
@@ -152,6 +151,7 @@ def quantize(
     memory_check: bool = True,
     resume: bool = False,
     restart: bool = False,
+    dist_timeout_s: float = distributed.DEFAULT_TIMEOUT_S,
 ) -> QuantizeReport:
     """Quantize a checkpoint with `recipe` and write the result to `output`.
 
@@ -178,7 +178,11 @@ def quantize(
     A "layers" run keeps its state at each layer boundary next to the output (`quantkit.resume`): after a
     crash or Ctrl-C, `resume` continues at the first unfinished layer (bit-identical output; a changed
     source, recipe or setting is refused), `restart` discards the stopped run. Without either, a stopped
-    run's state in the way is an error saying so."""
+    run's state in the way is an error saying so.
+
+    Under torchrun (WORLD_SIZE > 1, `quantkit.distributed`) each rank calibrates on its share of the
+    batches, the statistics are reduced over the ranks, and rank 0 alone writes the output; a collective
+    that waits longer than `dist_timeout_s` (another rank died or hangs) is an error."""
     if load_mode not in LOAD_MODES:
         raise QuantizationError(f"load mode {load_mode!r}: use one of {', '.join(LOAD_MODES)}")
     if (resume or restart) and load_mode != "layers":
@@ -187,13 +191,31 @@ def quantize(
     if resume and restart:
         raise QuantizationError("--resume continues a stopped run and --restart discards it: give one of them")
     where = devices.resolve(device)
-    if where.is_accelerator:
-        notify(where.describe())
-    devices.reset_peak(where.device)
-    with PeakSampler(0.02, live=False) as peak:  # resident memory only: cheap to read
-        report = _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite, trust_remote_code,
-                           load_mode, max_shard_bytes, peak, where, activation_budget_bytes, memory_check, resume,
-                           restart)
+    world = distributed.init(where.device, dist_timeout_s) if distributed.env_world_size() > 1 else \
+        distributed.current()
+    try:
+        if world.active and (resume or restart):
+            raise distributed.DistributedError("--resume/--restart are not supported in distributed runs yet: "
+                                               "resume with a single process (its state differs per world size)")
+        if world.active and where.device.type == "cuda":
+            where = devices.DeviceChoice(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))),
+                                         f"rank {world.rank}: local rank's GPU")
+        if not world.is_writer:
+            notify = _quiet  # rank 0 speaks for the run
+            progress = False
+        elif world.active:
+            notify(f"distributed: {world.size} ranks ({world.backend}); calibration batches dealt round-robin, "
+                   "statistics reduced, solves shared; rank 0 writes")
+        if where.is_accelerator:
+            notify(where.describe())
+        devices.reset_peak(where.device)
+        with PeakSampler(0.02, live=False) as peak:  # resident memory only: cheap to read
+            report = _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite,
+                               trust_remote_code, load_mode, max_shard_bytes, peak, where, activation_budget_bytes,
+                               memory_check, resume, restart, world)
+    finally:
+        if world.active:
+            distributed.shutdown()
     report.peak_rss_bytes = peak.peak_rss
     report.peak_device_bytes = devices.peak_memory_bytes(where.device)
     return report
@@ -202,14 +224,15 @@ def quantize(
 def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite, trust_remote_code, load_mode,
               max_shard_bytes, peak: PeakSampler, where: devices.DeviceChoice,
               activation_budget: Optional[int], memory_check: bool, resume: bool = False,
-              restart: bool = False) -> QuantizeReport:
+              restart: bool = False, world: distributed.World = distributed.World()) -> QuantizeReport:
     start = time.perf_counter()
     source = resolve_model(model_spec)
     out = Path(output) if output else default_output(source, recipe)
-    for line in clean_stale_for(out):
-        notify(line)
-    check_output_free(out, overwrite, protect=[source])  # before minutes of work, not after
-    check_writable(out)
+    if world.is_writer:
+        for line in clean_stale_for(out):
+            notify(line)
+        check_output_free(out, overwrite, protect=[source])  # before minutes of work, not after
+        check_writable(out)
     raw = read_config(source)
     if raw.get("quantization_config"):
         raise QuantizationError(f"{source} is already quantized ({raw['quantization_config'].get('quant_method')}); "
@@ -236,12 +259,19 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
            + f"; checkpoint ~{checkpoint_bytes / 1e9:.2f} GB; disk ~{the_plan.disk_bytes / 1e9:.2f} GB")
     if memory_check and load_mode == "layers":
         check_plan_fits(the_plan, available_memory())
-    check_free_space(out, the_plan.disk_bytes)
+    if world.is_writer:
+        check_free_space(out, the_plan.disk_bytes)
     batches = None
     scratch = ExitStack()
     activations = Activations()
     if any(s.algorithm.needs_calibration for s in stages):
         batches = calibration_batches(source, recipe, adapter.needs_bos)
+        if world.active:
+            if len(batches) < world.size:
+                raise distributed.DistributedError(
+                    f"the calibration data makes {len(batches)} batch(es) for {world.size} ranks: every rank needs "
+                    "one; raise calibration.num_samples, lower calibration.batch_size, or use fewer ranks")
+            batches = world.shard(batches)  # batch i to rank i mod N
         activations = _activations(batches, model.config.hidden_size, choice.dtype, where.device, activation_budget,
                                    out, scratch, notify)
 
@@ -256,6 +286,7 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
             "device": {"device": str(where.device), "reason": where.reason,
                        "peak_bytes": devices.peak_memory_bytes(where.device)},
             "load": load_mode,
+            "world_size": world.size,
             "quantize_seconds": round(result.seconds, 2),
             "timings": {k: round(v, 3) for k, v in result.timings.items()},
             "peak_rss_bytes": peak.peak_rss,  # so far: the files are written at the end of the job
@@ -269,9 +300,14 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
         return {"recipe.yaml": recipe.to_yaml(), "quantkit.json": json.dumps(metadata, indent=2) + "\n"}
 
     state = None
+    if not world.is_writer:
+        with scratch:
+            result = _run_silent(model, adapter, stages, batches, storage_dtype, where, activations, onloaded)
+        return QuantizeReport(out, source, result, time.perf_counter() - start, choice, where)
     if onloaded is not None:
         settings = {"load": load_mode, "compute_dtype": choice.name, "device_type": where.device.type,
-                    "world_size": 1, "max_shard_bytes": max_shard_bytes, "zero_nonfinite": bool(zero_nonfinite)}
+                    "world_size": world.size, "max_shard_bytes": max_shard_bytes,
+                    "zero_nonfinite": bool(zero_nonfinite)}
         manifest = resume_mod.fingerprint(source, recipe.to_yaml(), batches, settings)
         state = resume_mod.RunState.open(out, manifest, resume, restart, notify)
     try:
@@ -343,6 +379,36 @@ def _run(model, adapter, stages, batches, storage_dtype, progress, where, activa
                               build_quantization_config(model, result.quantized, result.kv_cache_scheme),
                               extra_files(result), trust_remote_code, notify)
     return result
+
+
+def _run_silent(model, adapter, stages, batches, storage_dtype, where, activations, onloaded) -> QuantizationResult:
+    """A rank other than 0 of a distributed run: the same work on its share of the batches (its part of
+    every collective), nothing written."""
+    if onloaded is None:
+        return quantize_model(model, adapter, stages, batches, storage_dtype, False, device=where.device,
+                              activations=activations)
+    onloaded.begin(None, needs_embeddings=batches is not None)
+    result = quantize_model(model, adapter, stages, batches, storage_dtype, False, store=_DiscardStore(onloaded),
+                            device=where.device, activations=activations)
+    onloaded.end(write=False)
+    return result
+
+
+class _DiscardStore:
+    """Layers loaded as usual and emptied when done, their tensors written by rank 0 only."""
+
+    def __init__(self, onloaded: OnloadedModel):
+        self.onloaded = onloaded
+
+    def load_layer(self, index: int, layer: nn.Module) -> None:
+        self.onloaded.load_layer(index, layer)
+
+    def finish_layer(self, index: int, layer: nn.Module) -> None:
+        layer.to("meta")
+
+
+def _quiet(_line: str) -> None:
+    pass
 
 
 class _PartStore:

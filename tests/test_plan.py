@@ -67,8 +67,15 @@ def test_plan_json_and_cli(config_only, tmp_path):
     for key in ("checkpoint_bytes", "peak_host_bytes", "peak_device_bytes", "disk_bytes", "kv_bytes_per_token"):
         assert isinstance(data[key], int) and data[key] >= 0, key
     assert data["peak_device_bytes"] == 0 and data["estimated_seconds"] > 0
-    res = CliRunner().invoke(main, ["plan", str(config_only), "--recipe", "rtn-w4a16", "--nproc", "2"])
-    assert res.exit_code == 2 and "distributed calibration is not built yet" in res.output
+    two = tmp_path / "plan2.json"
+    res = CliRunner().invoke(main, ["plan", str(config_only), "--recipe", "awq-w4a16", "--device", "cpu",
+                                    "--nproc", "2", "--json", str(two)])
+    assert res.exit_code == 0, res.output
+    data2 = json.loads(two.read_text())
+    # two ranks on this host: each holds half the batches' activations, both processes count
+    assert data2["nproc"] == 2 and data2["activation_bytes"] * 2 == data["activation_bytes"]
+    assert data["peak_host_bytes"] < data2["peak_host_bytes"] < 2 * data["peak_host_bytes"]
+    assert data2["estimated_seconds"] < data["estimated_seconds"]
 
 
 def test_plan_checkpoint_size_is_the_exported_tensors(tiny_llama, tmp_path):

@@ -21,6 +21,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from quantkit import distributed
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig, LayerContext
 from quantkit.arch.adapter import ScaleGroup
 from quantkit.quant.awq import apply_clip, candidate_scales, clip_refine, clip_search, diagonal_blocks, fake_quantize, weight_magnitude
@@ -119,7 +120,10 @@ class AWQ(Algorithm):
             handles.append(ctx.linears[name].register_forward_pre_hook(input_hook(name)))
         for rel in {g.parent for g, _ in groups}:
             handles.append(ctx.layer.get_submodule(rel).register_forward_hook(parent_hook(rel), with_kwargs=True))
-        budget = self.config.search_samples
+        world = distributed.current()
+        # a distributed run: each rank keeps its share of the search samples (batches are dealt round-robin,
+        # so the ranks' first samples together are the single process's first samples)
+        budget = -(-self.config.search_samples // world.size)
         try:
             for h, kw in zip(ctx.hidden, ctx.kwargs):
                 keep[0] = budget > 0
@@ -128,6 +132,12 @@ class AWQ(Algorithm):
         finally:
             for handle in handles:
                 handle.remove()
+        if world.active:  # the statistics of every rank's batches
+            for name in sorted(rec.abs_sum):
+                world.sum_(rec.abs_sum[name], f"AWQ {name}: input magnitudes")
+                rec.tokens[name] = int(world.sum_numbers([rec.tokens[name]], f"AWQ {name}: tokens")[0])
+            for name in sorted(rec.hessians):
+                rec.hessians[name].reduce(lambda t, n=name: world.sum_(t, f"AWQ {n}: clip Hessian"))
         return rec
 
     # -- scale search ------------------------------------------------------------------------
@@ -169,6 +179,7 @@ class AWQ(Algorithm):
         calls = rec.calls.get(group.parent, [])
 
         smooth = ctx.layer.get_submodule(group.smooth)
+        world = distributed.current()
 
         def loss(smooth_scales) -> float:
             scales = smooth_scales if index is None or smooth_scales is None else smooth_scales[index]
@@ -190,6 +201,8 @@ class AWQ(Algorithm):
                 out = out[0] if isinstance(out, tuple) else out
                 total += float((out.float() - ref.float()).pow(2).sum())
                 count += ref.numel()
+            if world.active:  # every rank's samples: the same loss, so the same choice, on every rank
+                total, count = world.sum_numbers([total, count], f"AWQ {', '.join(names)}: search loss")
             return total / max(count, 1)
 
         try:

@@ -16,6 +16,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from quantkit import distributed
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.errors import QuantizationError
 from quantkit.quant.fp8 import Fp8Weight, InputScaleObserver, quantize_weight
@@ -92,6 +93,12 @@ class StaticInputScales:
         self._by_name[name].add(x)
 
     def scale(self, name: str, scale_dtype: torch.dtype) -> torch.Tensor:
+        """The static input scale of `name`; in a distributed run a collective call: every rank asks for the
+        same names in the same order and gets the scale of all ranks' inputs."""
         if name not in self._by_name:
             raise QuantizationError(f"{name}: no calibration input was observed for its static activation scale")
+        world = distributed.current()
+        if world.active:
+            self._by_name[name].reduce(lambda t: world.max_(t, f"{name}: input absmax"),
+                                       lambda t: world.gather_(t, f"{name}: mse input sample"))
         return self._by_name[name].scale(scale_dtype)

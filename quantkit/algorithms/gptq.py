@@ -15,6 +15,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from quantkit import distributed
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.algorithms.fp8 import StaticInputScales, nearest_fp8
 from quantkit.quant.fp8 import Fp8Weight, expanded_scale
@@ -67,6 +68,9 @@ class GPTQ(Algorithm):
     def quantize_layer(
         self, linears: dict[str, nn.Linear], groups: list[list[str]], scale_dtype: torch.dtype
     ) -> dict[str, "QuantizedWeight | Fp8Weight"]:
+        world = distributed.current()
+        if world.active:
+            return self._quantize_shared(linears, groups, scale_dtype, world)
         out = {}
         for group in groups:
             release_free_memory()  # the last group's temporaries back to the OS before this one's solve
@@ -86,6 +90,45 @@ class GPTQ(Algorithm):
                     out[name].input_scale = input_scale
                 self.report[name] = self._metrics(linears[name].weight.data, out[name], nearest[name], H, solve)
                 start = rows.stop
+        self._H = {}
+        return out
+
+    def _quantize_shared(self, linears: dict[str, nn.Linear], groups: list[list[str]], scale_dtype: torch.dtype,
+                         world: "distributed.World") -> dict:
+        """A distributed run: every group's Hessian summed over the ranks, the solves dealt out by size
+        (largest first, `distributed.owner_of`), each result and its report broadcast from its solver."""
+        for group in groups:  # collective calls: the same groups in the same order on every rank
+            acc = self._H.get(group[0])
+            assert acc is not None, f"no calibration input reached {group[0]}"
+            acc.reduce(lambda t, g=group[0]: world.sum_(t, f"GPTQ {g}: Hessian"))
+        scales = {g[0]: self._inputs.scale(g[0], scale_dtype) if self.scheme.has_static_input else None
+                  for g in groups}
+        owners = distributed.owner_of([sum(linears[n].weight.numel() for n in g) for g in groups], world.size)
+        mine: dict[int, tuple[dict, dict]] = {}
+        for gi, group in enumerate(groups):
+            acc = self._H.pop(group[0])
+            if owners[gi] != world.rank:
+                continue  # another rank solves it
+            release_free_memory()
+            H = acc.take_hessian()
+            nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
+            qw, solve = self._solve(", ".join(group), [linears[n].weight.data for n in group], H, scale_dtype, nearest)
+            result, report, start = {}, {}, 0
+            for name in group:
+                rows = slice(start, start + linears[name].out_features)
+                result[name] = qw[name] if isinstance(qw, dict) else _rows(qw, rows)
+                if scales[group[0]] is not None:
+                    result[name].input_scale = scales[group[0]]
+                report[name] = self._metrics(linears[name].weight.data, result[name], nearest[name], H, solve)
+                start = rows.stop
+            mine[gi] = ({n: _to_cpu(q) for n, q in result.items()}, report)
+            del H
+        out = {}
+        device = next(iter(linears.values())).weight.device
+        for gi, group in enumerate(groups):
+            result, report = world.broadcast_object(mine.get(gi), owners[gi], f"GPTQ {group[0]}: solved weights")
+            out.update({n: _to_device(q, device) for n, q in result.items()})
+            self.report.update(report)
         self._H = {}
         return out
 
@@ -154,3 +197,18 @@ def _fp8_rows(codes: torch.Tensor, nearest: dict[str, Fp8Weight]) -> dict[str, F
 def _rows(qw: QuantizedWeight, rows: slice) -> QuantizedWeight:
     zp = None if qw.zero_point is None else qw.zero_point[rows]
     return QuantizedWeight(qw.q[rows].contiguous(), qw.scale[rows].contiguous(), zp, qw.scheme)
+
+
+def _to_cpu(qw):
+    """A quantized weight with its tensors on the CPU (to be broadcast), and back (`_to_device`)."""
+    return _to_device(qw, torch.device("cpu"))
+
+
+def _to_device(qw, device: torch.device):
+    import copy
+
+    qw = copy.copy(qw)
+    for key, value in vars(qw).items():
+        if isinstance(value, torch.Tensor):
+            setattr(qw, key, value.to(device))
+    return qw

@@ -15,6 +15,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
+from quantkit import distributed
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.errors import QuantizationError
 from quantkit.quant.fp8 import scale_from_absmax
@@ -58,6 +59,8 @@ class KVCacheScales(Algorithm):
             raise QuantizationError(f"kv_cache: layer {idx}'s attention never called its cache; "
                                     "this architecture cannot calibrate KV-cache scales")
         k, v = observer.k_absmax[idx], observer.v_absmax[idx]
+        world = distributed.current()  # a distributed run: the absmax over every rank's batches
+        k, v = world.max_(k, f"layer {idx}: key absmax"), world.max_(v, f"layer {idx}: value absmax")
         if self.config.strategy == "tensor":
             k, v = k.amax().reshape(1), v.amax().reshape(1)
         for name, absmax in (("k_scale", k), ("v_scale", v)):

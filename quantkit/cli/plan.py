@@ -14,7 +14,7 @@ import click
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field (repeatable).")
 @click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]|mps",
               help="Where the layers would be quantized.")
-@click.option("--nproc", default=1, show_default=True, type=click.IntRange(min=1), help="Processes (only 1 so far).")
+@click.option("--nproc", default=1, show_default=True, type=click.IntRange(min=1), help="Data-parallel processes (quantize --nproc): host memory for all of them, time shared.")
 @click.option("--activation-budget", type=click.FloatRange(min=0), metavar="GB",
               help="As for quantize [default: half the memory available now].")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the plan as JSON (bytes).")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -33,8 +36,13 @@ import click
 @click.option("--resume", is_flag=True, help="Continue a stopped run of this output at its first unfinished layer "
               "(refused, with what differs, if the source, recipe or settings changed).")
 @click.option("--restart", is_flag=True, help="Discard a stopped run of this output and start over.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes calibrating data-parallel on this machine (launched with torch's torchrun; gloo on "
+                   "CPU, one GPU each with nccl). Same as `torchrun --nproc-per-node N -m quantkit quantize ...`.")
+@click.option("--dist-timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="SECONDS",
+              help="Distributed runs: how long a rank waits for the others before failing (a rank that died or hangs).")
 def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_nonfinite, load_mode, max_shard_size,
-            trust_remote_code, device, activation_budget, no_memory_check, resume, restart):
+            trust_remote_code, device, activation_budget, no_memory_check, resume, restart, nproc, dist_timeout):
     """Quantize MODEL (local directory, demo name or hub id; default smollm2-135m).
 
     \b
@@ -49,13 +57,20 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
     from quantkit.quantize import quantize
     from quantkit.recipe import load_recipe
 
-    recipe = load_recipe(recipe_name, list(overrides))
+    recipe = load_recipe(recipe_name, list(overrides))  # a bad recipe fails here, before any process starts
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        raise SystemExit(_launch(nproc))
+    if nproc > 1 and int(os.environ["WORLD_SIZE"]) != nproc:
+        raise click.BadParameter(f"--nproc {nproc} inside a torchrun world of {os.environ['WORLD_SIZE']} processes",
+                                 param_hint="--nproc")
     report = quantize(model, recipe, output, overwrite=overwrite, progress=not no_progress,
                       notify=lambda line: click.echo(line, err=True), zero_nonfinite=zero_nonfinite,
                       trust_remote_code=trust_remote_code, load_mode=load_mode,
                       max_shard_bytes=int(max_shard_size * 1e9), device=device,
                       activation_budget_bytes=None if activation_budget is None else int(activation_budget * 1e9),
-                      memory_check=not no_memory_check, resume=resume, restart=restart)
+                      memory_check=not no_memory_check, resume=resume, restart=restart, dist_timeout_s=dist_timeout)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # rank 0 reports for a distributed run
     layers = report.result.layers
     click.echo(f"Quantized {len(layers)} linear layers of {report.source} with recipe {recipe.name} "
                f"in {report.seconds:.1f} s")
@@ -78,3 +93,22 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
         click.echo(f"WARNING: {len(fallbacks)} layer(s) fell back to RTN: {', '.join(fallbacks)}", err=True)
     click.echo(report.closing_line())
     click.echo(f"Wrote {report.output}")
+
+
+def _launch(nproc: int) -> int:
+    """Run this same command under torch's launcher with `nproc` processes (standalone: one machine);
+    its exit status, naming a failed rank (the launcher stops the others when one fails)."""
+    argv = sys.argv[1:]
+    args, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            args.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "quantkit", *args]
+    click.echo(f"launching {nproc} processes: {' '.join(cmd[1:])}", err=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.run(cmd, env=env).returncode

@@ -12,7 +12,7 @@ Weight scales come from the absmax (observer `minmax`) or the MSE-best shrink of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -139,6 +139,15 @@ class InputScaleObserver:
         if self.observer == "mse":
             idx = torch.randint(0, x.numel(), (min(x.numel(), self.samples),), generator=self._gen)
             self._kept.append(x[idx])
+
+    def reduce(self, max_: Callable[[torch.Tensor], torch.Tensor], gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Combine this observer with its copies on the other ranks of a distributed run: the absmax by
+        `max_` (in place), the mse sample by `gather` (every rank's values, in rank order)."""
+        if self.absmax is None:
+            raise ValueError("no input was observed")
+        self.absmax = max_(self.absmax.clone())
+        if self.observer == "mse":
+            self._kept = [gather(torch.cat(self._kept))]
 
     def scale(self, scale_dtype: torch.dtype) -> torch.Tensor:
         """The static input scale [1]."""

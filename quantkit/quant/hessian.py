@@ -9,6 +9,8 @@ spin after each call and halved the speed of torch's matmuls in the forward that
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 BLOCK = 128  # rows per block: measured best or near-best at widths 576 and 1536
@@ -33,6 +35,15 @@ class HessianAccumulator:
         for i in range(0, self.n, BLOCK):
             self._upper[i : i + BLOCK, i:].addmm_(rows[:, i : i + BLOCK].t(), rows[:, i:])
         self.tokens += rows.shape[0]
+
+    def reduce(self, sum_: "Callable[[torch.Tensor], torch.Tensor]") -> None:
+        """Replace the running sum and token count by their totals under `sum_` (an in-place all-reduce over
+        the ranks of a distributed run, `quantkit.distributed`): every rank then holds the same Hessian."""
+        if self._upper is None:
+            raise ValueError("no tokens were added to the Hessian")
+        sum_(self._upper)
+        count = torch.tensor([float(self.tokens)], dtype=torch.float64, device=self._upper.device)
+        self.tokens = int(sum_(count).item())
 
     def hessian(self) -> torch.Tensor:
         """H = 2/tokens * sum x x^T as a full symmetric float32 matrix [n, n]."""
