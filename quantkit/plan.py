@@ -3,14 +3,17 @@ checkpoint size before and after, peak host and device memory by the onloaded jo
 disk, KV-cache bytes, and a time estimate from throughput measured on this machine.
 
 The memory accounting follows what the onloaded job holds (`quantkit.onload`, `quantkit.pipeline`):
-the process itself (`BASE_PROCESS_BYTES`, measured), then the larger of
+the process itself (`BASE_PROCESS_BYTES`, measured) and, when calibrating, its imports, text and tokenizer,
+then the larger of
 - the largest tensor outside the decoder layers, as stored (copied one at a time), and
 - one decoder layer in the compute dtype + the calibration activations (in and out, within the
   activation budget) + the working set of the stage that needs most: round-to-nearest's float32
   copies of the largest linear and the layer's codes; GPTQ's Hessians not yet solved and one group's
   solve (one n^2 copy, `quant.gptq.inverse_hessian_factor`, and its stacked weight); AWQ's recorded
   inputs and clip Hessians.
-On an accelerator the layer-phase terms are on the device and the host keeps the layer while it loads.
+The NaN scan of the source, before the work, is a peak of its own. On an accelerator the layer-phase
+terms are on the device and the host keeps the layer while it loads. Every constant is measured
+(RSS sampled every 5 ms through runs on SmolLM2, Gemma, tiny models and an 8B-shaped model).
 Figures are estimates; `bench/big_model.py` measures the real job (the note of issue 14 compares them).
 """
 
@@ -26,7 +29,13 @@ from torch import nn
 
 from quantkit.pipeline import Stage
 
-BASE_PROCESS_BYTES = 450_000_000  # resident memory of a quantize process before any weight (measured: 0.43-0.45 GB)
+# Measured (RSS sampled every 5 ms through a quantize run; SmolLM2, Gemma and tiny models):
+BASE_PROCESS_BYTES = 470_000_000  # torch, transformers and quantkit imported
+SCAN_BYTES_PER_PIECE_BYTE = 3.5  # the NaN scan of the source: a piece (64 MB at most) and its finite masks
+SCAN_PIECE_BYTES = 64 << 20
+CALIBRATION_PROCESS_BYTES = 170_000_000  # calibration's imports, the text and its token ids
+TOKENIZER_MEMORY_PER_FILE_BYTE = 10  # a loaded fast tokenizer takes ~10x its tokenizer.json (Gemma: 33 MB -> 0.31 GB)
+OUTSIDE_TEMP_BYTES = 256 << 20  # writing a tensor outside the layers: its finite mask and copy buffers, at most
 ASSUMED_READ_BYTES_PER_S = 1.0e9  # disk reads; not measured here (the plan reads no weights)
 
 
@@ -170,7 +179,8 @@ class Throughput:
 
 def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_name: str, device: torch.device,
               compute_dtype: torch.dtype, storage_dtype: torch.dtype, checkpoint_bytes: int,
-              activation_budget: Optional[int], throughput: Optional[Throughput], nproc: int = 1) -> Plan:
+              activation_budget: Optional[int], throughput: Optional[Throughput], nproc: int = 1,
+              tokenizer_bytes: int = 0) -> Plan:
     """The plan of quantizing the (meta) `model` with `stages` (see the module docstring)."""
     config = model.config
     layers = adapter.layers(model)
@@ -207,16 +217,24 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
         work = int(largest * (4 + (4 if itemsize < 4 else 0) + itemsize) + codes)  # float32 copies, dequantized
     extra = max((_stage_extra(s, linears, adapter, cal, tokens, config.hidden_size) for s in stages), default=0)
     layer_phase = layer_params * itemsize + act_held + work + extra
-    breakdown = {"process": BASE_PROCESS_BYTES, "layer": layer_params * itemsize, "activations": act_held,
+    base = BASE_PROCESS_BYTES + (CALIBRATION_PROCESS_BYTES + TOKENIZER_MEMORY_PER_FILE_BYTE * tokenizer_bytes
+                                 if calibrates else 0)
+    largest_source = max((t.numel() * (storage_dtype.itemsize if t.is_floating_point() else t.element_size())
+                          for t in _unique_tensors(model)), default=0)
+    scan = BASE_PROCESS_BYTES + SCAN_BYTES_PER_PIECE_BYTE * min(largest_source, SCAN_PIECE_BYTES)  # before the work
+    outside_cost = outside + min(outside, OUTSIDE_TEMP_BYTES)
+    breakdown = {"process": base, "layer": layer_params * itemsize, "activations": act_held,
                  "quantize": work, "solver": extra}
     if device.type == "cpu":  # every rank on this host
-        host = nproc * (BASE_PROCESS_BYTES + max(outside, layer_phase))
+        host = nproc * max(scan, base + max(outside_cost, layer_phase))
         dev = 0
     else:  # one device per rank
-        host = nproc * (BASE_PROCESS_BYTES + max(outside, layer_params * itemsize))
+        host = nproc * max(scan, base + max(outside_cost, layer_params * itemsize))
         dev = layer_phase
-    if outside > layer_phase:
-        breakdown = {"process": BASE_PROCESS_BYTES, "largest outside tensor": outside}
+    if outside_cost > layer_phase:
+        breakdown = {"process": base, "largest outside tensor": outside_cost}
+    if scan > base + max(outside_cost, layer_phase):
+        breakdown = {"process": BASE_PROCESS_BYTES, "scan of the source for NaN/Inf": scan - BASE_PROCESS_BYTES}
 
     kv_elem = 1.0 if any(s.spec.algorithm == "kv_cache" for s in stages) else float(itemsize)  # FP8 cache: 1 byte
     seconds, rates = _estimate(stages, adapter, layers, linears, tokens, source, quantized_params, throughput, cal,

@@ -122,7 +122,13 @@ def plan(model_spec: Optional[str], recipe: Recipe, device: "str | torch.device 
                      compute_dtype=choice.dtype, storage_dtype=storage_dtype,
                      checkpoint_bytes=estimate_checkpoint_bytes(model, stages, storage_dtype),
                      activation_budget=_budget(where.device, activation_budget_bytes),
-                     throughput=Throughput.measure(choice.dtype) if measure else None, nproc=nproc)
+                     throughput=Throughput.measure(choice.dtype) if measure else None, nproc=nproc,
+                     tokenizer_bytes=tokenizer_file_bytes(source))
+
+
+def tokenizer_file_bytes(source: Path) -> int:
+    """Size of the checkpoint's tokenizer files (what the tokenizer takes in memory scales with it)."""
+    return sum((source / f).stat().st_size for f in ("tokenizer.json", "tokenizer.model") if (source / f).is_file())
 
 
 def check_plan_fits(p: Plan, available: Optional[int]) -> None:
@@ -253,7 +259,8 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
     checkpoint_bytes = estimate_checkpoint_bytes(model, stages, storage_dtype)
     the_plan = make_plan(model, stages, adapter, recipe, model_name=str(source), device=where.device,
                          compute_dtype=choice.dtype, storage_dtype=storage_dtype, checkpoint_bytes=checkpoint_bytes,
-                         activation_budget=_budget(where.device, activation_budget), throughput=None)
+                         activation_budget=_budget(where.device, activation_budget), throughput=None,
+                         nproc=world.size, tokenizer_bytes=tokenizer_file_bytes(source))
     notify(f"plan: peak memory ~{the_plan.peak_host_bytes / 1e9:.2f} GB"
            + (f" host, ~{the_plan.peak_device_bytes / 1e9:.2f} GB {where.device}" if where.is_accelerator else "")
            + f"; checkpoint ~{checkpoint_bytes / 1e9:.2f} GB; disk ~{the_plan.disk_bytes / 1e9:.2f} GB")

@@ -103,3 +103,22 @@ def test_quantize_refuses_early_when_memory_is_short(tiny_llama, tmp_path, monke
     report = quantize(str(tiny_llama), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]), tmp_path / "q",
                       progress=False, memory_check=False)
     assert report.output.exists()
+
+
+@pytest.mark.parametrize("recipe,overrides", [
+    ("rtn-w4a16", ["stages.0.scheme.group_size=32"]),
+    ("gptq-w4a16", ["stages.0.scheme.group_size=32", "calibration.num_samples=16", "calibration.seq_len=128"]),
+])
+def test_plan_peak_memory_within_25_percent_of_the_measured(tiny_llama, tmp_path, recipe, overrides):
+    """A fresh process (its RSS is the run's own): the plan stored in quantkit.json against the peak RSS."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "q"
+    res = subprocess.run([sys.executable, "-m", "quantkit", "quantize", str(tiny_llama), "--recipe", recipe,
+                          *(a for o in overrides for a in ("--set", o)), "-o", str(out), "--no-progress"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    meta = json.loads((out / "quantkit.json").read_text())
+    planned, measured = meta["plan"]["peak_host_bytes"], meta["peak_rss_bytes"]
+    assert 0.75 <= measured / planned <= 1.25, (planned, measured)
