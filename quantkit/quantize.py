@@ -197,12 +197,12 @@ def quantize(
     if resume and restart:
         raise QuantizationError("--resume continues a stopped run and --restart discards it: give one of them")
     where = devices.resolve(device)
+    if distributed.env_world_size() > 1 and (resume or restart):
+        raise distributed.DistributedError("--resume/--restart are not supported in distributed runs yet: "
+                                           "resume with a single process (its state differs per world size)")
     world = distributed.init(where.device, dist_timeout_s) if distributed.env_world_size() > 1 else \
         distributed.current()
     try:
-        if world.active and (resume or restart):
-            raise distributed.DistributedError("--resume/--restart are not supported in distributed runs yet: "
-                                               "resume with a single process (its state differs per world size)")
         if world.active and where.device.type == "cuda":
             where = devices.DeviceChoice(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))),
                                          f"rank {world.rank}: local rank's GPU")

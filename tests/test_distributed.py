@@ -82,11 +82,26 @@ def single(tiny_llama, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tiny_llama, tmp_path_factory):
+    """Outputs of torchrun with 2 gloo ranks, per recipe (and what the run printed)."""
+    root = tmp_path_factory.mktemp("dist-two")
+    cache = {}
+
+    def get(key):
+        if key not in cache:
+            out = root / key
+            res = torchrun(2, quantize_args(tiny_llama, key, out))
+            assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+            cache[key] = (out, res)
+        return cache[key]
+
+    return get
+
+
 @pytest.mark.parametrize("key", ["gptq", "awq", "fp8-static"])
-def test_two_ranks_match_one_process(key, tiny_llama, single, tmp_path):
-    out = tmp_path / "d"
-    res = torchrun(2, quantize_args(tiny_llama, key, out))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+def test_two_ranks_match_one_process(key, tiny_llama, single, two_ranks):
+    out, res = two_ranks(key)
     assert "distributed: 2 ranks (gloo)" in res.stderr and res.stderr.count("Quantized") <= 1
     meta = json.loads((out / "quantkit.json").read_text())
     assert meta["world_size"] == 2
@@ -119,12 +134,16 @@ def test_two_ranks_match_one_process(key, tiny_llama, single, tmp_path):
     assert math.isclose(p1, p2, rel_tol=0.01), (p1, p2)
 
 
-def test_two_rank_runs_repeat_bit_for_bit(tiny_llama, tmp_path):
-    outs = [tmp_path / "r1", tmp_path / "r2"]
-    for out in outs:
-        res = torchrun(2, quantize_args(tiny_llama, "gptq", out))
-        assert res.returncode == 0, res.stderr[-3000:]
-    assert (outs[0] / "model.safetensors").read_bytes() == (outs[1] / "model.safetensors").read_bytes()
+def test_two_rank_runs_repeat_bit_for_bit_and_nproc_launches_them(tiny_llama, two_ranks, tmp_path):
+    first, _ = two_ranks("gptq")
+    out = tmp_path / "n"  # the same run again, through `quantize --nproc 2` (which launches torchrun)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("WORLD_SIZE", None)
+    res = subprocess.run([sys.executable, "-m", "quantkit", *quantize_args(tiny_llama, "gptq", out, "--nproc", "2")],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "launching 2 processes" in res.stderr and json.loads((out / "quantkit.json").read_text())["world_size"] == 2
+    assert (first / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
 def test_a_killed_rank_fails_the_run_fast_and_is_named(tiny_llama, tmp_path):
@@ -151,16 +170,9 @@ run()
     assert not out.exists()
 
 
-def test_nproc_launches_torchrun(tiny_llama, tmp_path):
-    out = tmp_path / "n"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("WORLD_SIZE", None)
-    res = subprocess.run([sys.executable, "-m", "quantkit", *quantize_args(tiny_llama, "gptq", out, "--nproc", "2")],
-                         capture_output=True, text=True, timeout=600, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "launching 2 processes" in res.stderr and json.loads((out / "quantkit.json").read_text())["world_size"] == 2
+def test_distributed_refuses_resume(tiny_llama, tmp_path, monkeypatch):
+    from quantkit.distributed import DistributedError
 
-
-def test_distributed_refuses_resume(tiny_llama, tmp_path):
-    res = torchrun(2, quantize_args(tiny_llama, "gptq", tmp_path / "x", "--resume"))
-    assert res.returncode != 0 and "not supported in distributed runs" in res.stdout + res.stderr
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: refused before any process group is made
+    with pytest.raises(DistributedError, match="not supported in distributed runs"):
+        quantize(str(tiny_llama), load_recipe(*RECIPES["gptq"]), tmp_path / "x", resume=True)
