@@ -13,8 +13,7 @@ def command():
 @command.command("list")
 def list_models():
     """List demo models and whether they are cached."""
-    from quantkit.models.demo import DEMO_MODELS
-    from quantkit.models.resolve import demo_model_dir
+    from quantkit.models.demo import DEMO_MODELS, demo_model_dir
 
     for name, spec in DEMO_MODELS.items():
         cached = (demo_model_dir(name) / "config.json").is_file()

