@@ -6,8 +6,9 @@ Rows, run back to back in one process on the same windows (load time excluded):
   transformers fp32   AutoModelForCausalLM(dtype=float32)(input_ids, labels): loss per window
   quantkit fp32       quantkit's evaluator, float32 (the protocol)
   quantkit auto bN    quantkit's evaluator in the machine's fast dtype, N windows per forward
-Each prints tokens/s, its ratio to the transformers row, perplexity and its difference from the
-float32 protocol's. --policy-as AVX2 makes the compute policy choose as on an AVX2-only CPU
+Each setup is warmed up on one window first (untimed), then timed --repeats times, the setups
+alternating; each prints its median tokens/s, its ratio to the transformers row, perplexity and its
+difference from the float32 protocol's. --policy-as AVX2 makes the compute policy choose as on an AVX2-only CPU
 (float32), the hardware staying this one.
 """
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--policy-as", choices=["AVX2"])
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     from quantkit import compute
 
@@ -38,7 +40,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantkit.eval.compare import evaluate, prepare
+    from quantkit.eval.compare import prepare
     from quantkit.models.resolve import resolve_model
 
     print(compute.machine_summary() + (f" (policy as {args.policy_as})" if args.policy_as else ""))
@@ -48,27 +50,54 @@ def main() -> None:
     tokens = wins.shape[0] * (args.seq_len - 1)
     print(f"{args.model}: {wins.shape[0]} windows of {args.seq_len} tokens of {args.dataset}, BOS {bos is not None}")
 
+    import statistics
+
+    from quantkit.eval.compare import score
+    from quantkit.runtime.loader import load
+
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf.eval()
-    start, losses = time.perf_counter(), []
-    with torch.no_grad():
-        for w in wins:
-            losses.append(hf(input_ids=w[None], labels=w[None]).loss.item())
-    hf_s = time.perf_counter() - start
-    hf_ppl = math.exp(sum(losses) / len(losses))
-    del hf
-    rows = [("transformers fp32", hf_s, hf_ppl, "float32")]
-    setups = [("quantkit fp32 b1", "float32", 1)] + [(f"quantkit auto b{b}", "auto", int(b))
-                                                      for b in args.batch_sizes.split(",")]
-    for name, dtype, batch in setups:
-        res = evaluate(args.model, [], [args.dataset], args.seq_len, args.windows, batch_size=batch, dtype=dtype)
-        rows.append((name, res.seconds, res.rows[0]["ppl"], res.models[0]["dtype"]))
+
+    def transformers_run(windows):
+        start, losses = time.perf_counter(), []
+        with torch.no_grad():
+            for w in windows:
+                losses.append(hf(input_ids=w[None], labels=w[None]).loss.item())
+        return time.perf_counter() - start, math.exp(sum(losses) / len(losses)), "float32"
+
+    def quantkit_run(model, batch):
+        def go(windows):
+            t = dataclasses.replace(text, windows=windows)
+            start = time.perf_counter()
+            (tallies,), _ = score([model], [t], batch)
+            return time.perf_counter() - start, tallies[0].ppl, model.quantkit_compute.name
+        return go
+
+    import dataclasses
+
+    setups = {"transformers fp32": transformers_run}
+    models = {"float32": load(path, dtype="float32"), "auto": load(path, dtype="auto")}
+    setups["quantkit fp32 b1"] = quantkit_run(models["float32"], 1)
+    for b in args.batch_sizes.split(","):
+        setups[f"quantkit auto b{b}"] = quantkit_run(models["auto"], int(b))
+    for run in setups.values():
+        run(wins[:1])  # warm-up
+    times = {name: [] for name in setups}
+    results = {}
+    for _ in range(args.repeats):
+        for name, run in setups.items():
+            seconds, ppl, dtype = run(wins)
+            times[name].append(seconds)
+            results[name] = (ppl, dtype)
+    rows = [(name, statistics.median(times[name]), *results[name]) for name in setups]
+    hf_s = rows[0][1]
     protocol = rows[1][2]
-    print(f"{'setup':<20} {'compute':>9} {'seconds':>8} {'tokens/s':>9} {'x transformers':>14} {'ppl':>10} "
-          f"{'vs fp32 protocol':>16}")
+    print(f"{'setup':<20} {'compute':>9} {'seconds':>8} {'(range)':>13} {'tokens/s':>9} {'x transformers':>14} "
+          f"{'ppl':>10} {'vs fp32 protocol':>16}")
     for name, seconds, ppl, dtype in rows:
-        print(f"{name:<20} {dtype:>9} {seconds:8.1f} {tokens / seconds:9.0f} {hf_s / seconds:13.2f}x {ppl:10.4f} "
-              f"{100 * (ppl / protocol - 1):+15.3f}%")
+        spread = f"{min(times[name]):.1f}-{max(times[name]):.1f}"
+        print(f"{name:<20} {dtype:>9} {seconds:8.1f} {spread:>13} {tokens / seconds:9.0f} {hf_s / seconds:13.2f}x "
+              f"{ppl:10.4f} {100 * (ppl / protocol - 1):+15.3f}%")
 
 
 if __name__ == "__main__":

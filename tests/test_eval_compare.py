@@ -75,11 +75,12 @@ def test_tally_sums_over_chunks():
 
 
 def test_window_count_from_max_windows_and_max_tokens():
-    assert window_count(10_000, 100, None, None, False) is None
-    assert window_count(10_000, 100, 16, None, False) == 16
-    assert window_count(10_000, 100, 16, 550, False) == 5
+    assert window_count(100, None, None) is None
+    assert window_count(100, 16, None) == 16
+    assert window_count(100, 16, 550) == 5
+    assert window_count(100, None, 550) == 5
     with pytest.raises(CalibrationDataError, match="less than one window"):
-        window_count(10_000, 100, None, 50, False)
+        window_count(100, None, 50)
 
 
 # ---- against the models ------------------------------------------------------------------------

@@ -125,8 +125,7 @@ def _file_sha(path: Path) -> Optional[str]:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def window_count(n_tokens: int, seq_len: int, max_windows: Optional[int], max_tokens: Optional[int],
-                 bos: bool) -> Optional[int]:
+def window_count(seq_len: int, max_windows: Optional[int], max_tokens: Optional[int]) -> Optional[int]:
     """Windows to score: at most max_windows, and no more than max_tokens tokens of text in all."""
     counts = [c for c in (max_windows, max_tokens and max(max_tokens // seq_len, 0)) if c]
     if max_tokens and max_tokens < seq_len:
@@ -166,7 +165,9 @@ def prepare(original: str, checkpoints: list[str], datasets: list[str], seq_len:
     needs_bos = model_type in ARCHITECTURES and ARCHITECTURES.get(model_type).needs_bos
     tokenizers = [load_tokenizer(s.path) for s in subjects]
     bos = tokenizers[0].bos_token_id if needs_bos else None
-    same_files = [_file_sha(s.path / "tokenizer.json") == _file_sha(ref.path / "tokenizer.json") is not None
+    ref_tokenizer = _file_sha(ref.path / "tokenizer.json")
+    # the same tokenizer.json needs no second tokenization; anything else is tokenized and compared
+    same_files = [ref_tokenizer is not None and _file_sha(s.path / "tokenizer.json") == ref_tokenizer
                   for s in subjects]
     texts = []
     for name in datasets:
@@ -176,7 +177,7 @@ def prepare(original: str, checkpoints: list[str], datasets: list[str], seq_len:
             if not same and not torch.equal(tokenize(tok, text), ids):
                 raise CheckpointError(f"{s.spec} tokenizes {name} differently from the original {ref.spec}: "
                                       "the comparison needs the original's tokenizer; copy it into the checkpoint")
-        n = window_count(ids.numel(), seq_len, max_windows, max_tokens, bos is not None)
+        n = window_count(seq_len, max_windows, max_tokens)
         wins = windows(ids, seq_len, n, bos)
         scored = wins.shape[0] * (seq_len - 1)
         if scored < MIN_SCORED_TOKENS:

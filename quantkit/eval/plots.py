@@ -6,6 +6,7 @@ and evaluation rows), so every plot can be drawn from a test's made-up data.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -40,23 +41,44 @@ def _pyplot():
     return plt
 
 
+def short_names(names: list[str]) -> dict[str, str]:
+    """Names without the prefix they all share (`gemma3-270m-rtn-w4a16` -> `rtn-w4a16`), for labels."""
+    if len(names) < 2:
+        return {n: n for n in names}
+    prefix = os.path.commonprefix(names)
+    prefix = prefix[: prefix.rfind("-") + 1] if "-" in prefix else ""
+    return {n: (n[len(prefix):] or n) for n in names}
+
+
+def colors(names: list[str]) -> dict[str, tuple]:
+    """One color per checkpoint, the same in every panel and plot (in the order given)."""
+    plt = _pyplot()
+    cmap = plt.get_cmap("tab10")
+    return {n: cmap(i % 10) for i, n in enumerate(names)}
+
+
 def per_layer_error(layers: dict[str, list[dict]], path: Path) -> Path:
     """Left: mean weight SQNR per decoder layer; right: mean output error relative to RTN per layer, for
     the checkpoints whose algorithm records one. One line per checkpoint (layers: name -> quantkit.json layers)."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _pyplot()
-    fig, (ax_w, ax_o) = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True)
+    fig, (ax_w, ax_o) = plt.subplots(1, 2, figsize=(12, 5.2), sharex=True)
+    short, color = short_names(list(layers)), colors(list(layers))
     drawn = False
     for name, entries in layers.items():
         sqnr, output = by_layer(entries, "sqnr_db"), by_layer(entries, "output_error")
+        label = short[name]
+        if not output:
+            rtn = entries and all(e.get("algorithm") == "rtn" for e in entries)
+            label += " (RTN: 1 on the right by definition)" if rtn else " (records no output error)"
         if sqnr:
-            ax_w.plot(list(sqnr), [sum(v) / len(v) for v in sqnr.values()], marker="o", markersize=3, label=name)
+            ax_w.plot(list(sqnr), [sum(v) / len(v) for v in sqnr.values()], marker="o", markersize=3,
+                      color=color[name], label=label)
         if output:
-            ax_o.plot(list(output), [sum(v) / len(v) for v in output.values()], marker="o", markersize=3, label=name)
+            ax_o.plot(list(output), [sum(v) / len(v) for v in output.values()], marker="o", markersize=3,
+                      color=color[name])
             drawn = True
-        elif entries and all(e.get("algorithm") == "rtn" for e in entries):
-            ax_o.plot([], [], color="grey", linestyle="--", label=f"{name} (RTN: 1 by definition)")
-        else:
-            ax_o.plot([], [], label=f"{name} (records none)")
     ax_w.set_title("weight SQNR (higher: weights closer)")
     ax_w.set_ylabel("weight SQNR, mean of the linears (dB)")
     ax_o.set_title("output error on calibration data relative to RTN (lower is better)")
@@ -66,32 +88,33 @@ def per_layer_error(layers: dict[str, list[dict]], path: Path) -> Path:
         ax_o.set_yscale("log")
     for ax in (ax_w, ax_o):
         ax.set_xlabel("decoder layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    fig.legend(*ax_w.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle("Per-layer quantization error (from each checkpoint's quantkit.json). GPTQ trades weight error "
                  "for output error:\nits weight SQNR is lower than RTN's while its outputs are closer", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
 def size_vs_quality(points: list[dict], dataset: str, path: Path) -> Path:
-    """points: {"name", "bits_per_weight", "ppl", "kld_mean" (None for the original)}: perplexity and KLD
-    against bits per weight."""
+    """points: {"name", "bits_per_weight", "ppl", "kld_mean"}, the original first: perplexity and KLD against
+    bits per weight. Checkpoints keep the colors `per_layer_error` gives them (same order)."""
     plt = _pyplot()
-    fig, (ax_ppl, ax_kld) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
+    fig, (ax_ppl, ax_kld) = plt.subplots(1, 2, figsize=(12, 5.2), sharex=True)
+    checkpoints = [p["name"] for p in points[1:]]
+    short, color = short_names(checkpoints), colors(checkpoints)
     for p in points:
-        original = p.get("kld_mean") is None
+        original = p is points[0]
+        c = "black" if original else color[p["name"]]
+        label = p["name"] + " (original)" if original else short[p["name"]]
         if p.get("ppl") is not None:
-            ax_ppl.scatter(p["bits_per_weight"], p["ppl"], marker="*" if original else "o", s=120 if original else 40,
-                           color="black" if original else None)
-            ax_ppl.annotate(p["name"], (p["bits_per_weight"], p["ppl"]), fontsize=8, xytext=(4, 4),
-                            textcoords="offset points")
+            ax_ppl.scatter(p["bits_per_weight"], p["ppl"], marker="*" if original else "o", s=140 if original else 45,
+                           color=c, label=label, zorder=3)
         if not original and p.get("kld_mean") is not None:
-            ax_kld.scatter(p["bits_per_weight"], p["kld_mean"], s=40)
-            ax_kld.annotate(p["name"], (p["bits_per_weight"], p["kld_mean"]), fontsize=8, xytext=(4, 4),
-                            textcoords="offset points")
+            ax_kld.scatter(p["bits_per_weight"], p["kld_mean"], s=45, color=c, zorder=3)
     ax_ppl.set_ylabel(f"perplexity on {dataset} (lower is better)")
     ax_kld.set_ylabel(f"mean KL divergence from the original on {dataset} (nats)")
     kld = [p["kld_mean"] for p in points if p.get("kld_mean")]
@@ -100,9 +123,9 @@ def size_vs_quality(points: list[dict], dataset: str, path: Path) -> Path:
     for ax in (ax_ppl, ax_kld):
         ax.set_xlabel("checkpoint bits per weight (file bytes x 8 / parameters)")
         ax.grid(alpha=0.3)
+    fig.legend(*ax_ppl.get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle("Size against quality")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
