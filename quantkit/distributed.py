@@ -11,8 +11,9 @@ process group where the algorithm makes them, so every rank holds the same total
 and the GPTQ solves are shared out by linear group, largest first (`owner_of`), their results
 broadcast from the rank that solved them. Rank 0 alone writes the checkpoint. gloo on CPU, nccl
 on CUDA. A collective that fails or waits past `timeout_s` (another rank died or hangs) raises
-`DistributedError` naming this rank and the operation; under the launcher, torch's elastic agent
-also stops the other ranks and names the one that failed.
+`DistributedError` naming the ranks that never arrived and the last operation each entered (every
+rank records its step in the process group's store before each collective); under the launcher,
+torch's elastic agent then stops the other ranks, and names the one that failed.
 
 One process is `World()` (size 1): every method is then the identity, at no cost.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -41,6 +42,7 @@ class World:
     size: int = 1
     backend: Optional[str] = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    _steps: list = field(default_factory=lambda: [0], compare=False, repr=False)  # collectives entered
 
     @property
     def active(self) -> bool:
@@ -55,11 +57,42 @@ class World:
         return list(items[self.rank :: self.size])
 
     def _run(self, what: str, fn, *args):
+        """One collective. Before it, this rank's step (a count and the operation's name) goes into the
+        process group's key-value store, so a rank that times out can name the ranks that never arrived."""
+        self._steps[0] += 1
+        step = self._steps[0]
+        store = _store()
+        if store is not None:
+            try:
+                store.set(f"quantkit/step/{self.rank}", f"{step}\t{what}")
+            except Exception:  # the store is only for the message: never a reason to fail
+                store = None
         try:
             return fn(*args)
         except RuntimeError as exc:
-            raise DistributedError(f"rank {self.rank} of {self.size}: {what} failed or timed out after "
-                                   f"{self.timeout_s:.0f} s: another rank died or hangs ({exc})") from exc
+            behind = self._behind(store, step)
+            raise DistributedError(f"rank {self.rank} of {self.size}: collective #{step} ({what}) failed or timed out "
+                                   f"after {self.timeout_s:.0f} s" + (f": {behind}" if behind else
+                                                                      ": another rank died or hangs")
+                                   + f" ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
+
+    def _behind(self, store, step: int) -> str:
+        """Which ranks had not reached collective #step, with the last one each did enter."""
+        if store is None:
+            return ""
+        lagging = []
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            try:
+                store.set_timeout(datetime.timedelta(seconds=2))
+                last, _, op = store.get(f"quantkit/step/{r}").decode().partition("\t")
+            except Exception:
+                lagging.append(f"rank {r} never reached a collective")
+                continue
+            if int(last) < step:
+                lagging.append(f"rank {r} is behind, stuck after collective #{last} ({op})")
+        return "; ".join(lagging)
 
     def sum_(self, t: torch.Tensor, what: str = "sum") -> torch.Tensor:
         """Sum `t` over the ranks, in place (every rank gets the total)."""
@@ -113,6 +146,16 @@ class World:
             import torch.distributed as dist
 
             self._run(what, dist.barrier)
+
+
+def _store():
+    """The key-value store of the default process group (torchrun's), or None."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
 
 
 def owner_of(sizes: Sequence[int], world_size: int) -> list[int]:

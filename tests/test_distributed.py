@@ -181,3 +181,26 @@ def test_distributed_refuses_resume(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: refused before any process group is made
     with pytest.raises(DistributedError, match="not supported in distributed runs"):
         quantize(str(tiny_llama), load_recipe(*RECIPES["gptq"]), tmp_path / "x", resume=True)
+
+
+def test_a_hanging_rank_times_out_and_is_named(tiny_llama, tmp_path):
+    out = tmp_path / "h"
+    script = f"""
+import os, sys, time
+from quantkit import pipeline
+real = pipeline.run_layer
+def run_layer(*a, **k):
+    if os.environ["RANK"] == "1":
+        time.sleep(600)  # rank 1 hangs after layer 0's collectives
+    return real(*a, **k)
+pipeline.run_layer = run_layer
+sys.argv = ["quantkit"] + {quantize_args(tiny_llama, "gptq", out, "--dist-timeout", "10")!r}
+from quantkit.cli import run
+run()
+"""
+    start = time.perf_counter()
+    res = torchrun(2, [], timeout=300, script=script)
+    assert res.returncode != 0 and time.perf_counter() - start < 120
+    text = res.stdout + res.stderr
+    assert "timed out after 10 s: rank 1 is behind, stuck after collective #" in text, text[-3000:]
+    assert not out.exists()
