@@ -128,5 +128,19 @@ def test_cli_runs_the_shipped_tasks_offline(tiny_llama, tmp_path):
     data = json.loads(out.read_text())["results"]
     assert 0.0 <= data["austen_cloze"]["acc,none"] <= 1.0
     assert data["austen_ppl"]["word_perplexity,none"] > 1.0
-    res = CliRunner().invoke(main, ["eval", "tasks", str(tiny_llama), "--tasks", "austen_clozee"])
-    assert res.exit_code == 2 and "unknown task(s) austen_clozee" in res.output
+
+
+def test_an_unknown_task_is_refused_before_the_model_loads(tiny_llama, monkeypatch):
+    import lm_eval.tasks
+
+    import quantkit.runtime.loader as loader
+
+    class Index:  # lm-eval's own index of ~15k tasks takes seconds to build: a stand-in with one
+        def __init__(self, **kwargs):
+            self.all_tasks = ["hellaswag"]
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Index)
+    monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded before the tasks were checked"))
+    res = CliRunner().invoke(main, ["eval", "tasks", str(tiny_llama), "--tasks", "austen_clozee,hellaswag"])
+    assert res.exit_code == 2 and "unknown task(s) austen_clozee:" in res.output and "hellaswag" not in \
+        res.output.split("unknown task(s)")[1].split(":")[0]

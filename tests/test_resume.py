@@ -59,8 +59,7 @@ def reference(tiny_models, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch,key", [("llama", "gptq"), ("llama", "awq"), ("llama", "fp8-static-kv"),
-                                      ("gemma3_text", "gptq")])
+@pytest.mark.parametrize("arch,key", [("llama", "awq"), ("llama", "fp8-static-kv"), ("gemma3_text", "gptq")])
 def test_stopped_then_resumed_equals_uninterrupted(arch, key, tiny_models, reference, tmp_path, monkeypatch):
     out = tmp_path / "q"
     said = []
