@@ -39,8 +39,8 @@ RECIPES = {
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 600, script: str = None):
-    target = ["-c", script] if script else ["-m", "quantkit"]
-    if script:  # torchrun runs a file; write the script next to nothing else
+    target = ["-m", "quantkit"]
+    if script:  # torchrun runs a file: write the script to one
         import tempfile
 
         f = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)

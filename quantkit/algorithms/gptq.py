@@ -76,22 +76,29 @@ class GPTQ(Algorithm):
             release_free_memory()  # the last group's temporaries back to the OS before this one's solve
             acc = self._H.pop(group[0], None)  # each Hessian is freed once its group is solved
             assert acc is not None, f"no calibration input reached {group[0]}"
-            H = acc.take_hessian()
-            # rows are independent given H: linears sharing an input are solved as one stacked matrix
-            nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
-            qw, solve = self._solve(", ".join(group), [linears[n].weight.data for n in group], H, scale_dtype, nearest)
             # one static input scale per group: its linears read the same input
             input_scale = self._inputs.scale(group[0], scale_dtype) if self.scheme.has_static_input else None
-            start = 0
-            for name in group:
-                rows = slice(start, start + linears[name].out_features)
-                out[name] = qw[name] if isinstance(qw, dict) else _rows(qw, rows)
-                if input_scale is not None:
-                    out[name].input_scale = input_scale
-                self.report[name] = self._metrics(linears[name].weight.data, out[name], nearest[name], H, solve)
-                start = rows.stop
+            result, report = self._solve_group(linears, group, acc.take_hessian(), scale_dtype, input_scale)
+            out.update(result)
+            self.report.update(report)
         self._H = {}
         return out
+
+    def _solve_group(self, linears: dict[str, nn.Linear], group: list[str], H: torch.Tensor,
+                     scale_dtype: torch.dtype, input_scale: Optional[torch.Tensor]) -> tuple[dict, dict]:
+        """One group's weights and report rows. Rows are independent given H: linears sharing an input are
+        solved as one stacked matrix."""
+        nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
+        qw, solve = self._solve(", ".join(group), [linears[n].weight.data for n in group], H, scale_dtype, nearest)
+        result, report, start = {}, {}, 0
+        for name in group:
+            rows = slice(start, start + linears[name].out_features)
+            result[name] = qw[name] if isinstance(qw, dict) else _rows(qw, rows)
+            if input_scale is not None:
+                result[name].input_scale = input_scale
+            report[name] = self._metrics(linears[name].weight.data, result[name], nearest[name], H, solve)
+            start = rows.stop
+        return result, report
 
     def _quantize_shared(self, linears: dict[str, nn.Linear], groups: list[list[str]], scale_dtype: torch.dtype,
                          world: "distributed.World") -> dict:
@@ -110,19 +117,8 @@ class GPTQ(Algorithm):
             if owners[gi] != world.rank:
                 continue  # another rank solves it
             release_free_memory()
-            H = acc.take_hessian()
-            nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
-            qw, solve = self._solve(", ".join(group), [linears[n].weight.data for n in group], H, scale_dtype, nearest)
-            result, report, start = {}, {}, 0
-            for name in group:
-                rows = slice(start, start + linears[name].out_features)
-                result[name] = qw[name] if isinstance(qw, dict) else _rows(qw, rows)
-                if scales[group[0]] is not None:
-                    result[name].input_scale = scales[group[0]]
-                report[name] = self._metrics(linears[name].weight.data, result[name], nearest[name], H, solve)
-                start = rows.stop
+            result, report = self._solve_group(linears, group, acc.take_hessian(), scale_dtype, scales[group[0]])
             mine[gi] = ({n: _to_cpu(q) for n, q in result.items()}, report)
-            del H
         out = {}
         device = next(iter(linears.values())).weight.device
         for gi, group in enumerate(groups):
