@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 def export_tensors(model: nn.Module, storage_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The state dict to save: float tensors in the storage dtype, tied weights stored once."""
     tensors, seen = {}, {}
+    keep = fixed_dtype_keys(model)
     tied = getattr(model.config, "tie_word_embeddings", False)
     ckpt = checkpoint_namer(model)
     for key, t in model.state_dict().items():
@@ -30,8 +31,15 @@ def export_tensors(model: nn.Module, storage_dtype: torch.dtype) -> dict[str, to
                 continue  # e.g. lm_head.weight tied to embed_tokens.weight
             t = t.clone()
         seen[ptr] = key
-        tensors[ckpt(key)] = as_stored(t, storage_dtype)
+        tensors[ckpt(key)] = t if key in keep else as_stored(t, storage_dtype)
     return tensors
+
+
+def fixed_dtype_keys(module: nn.Module) -> set[str]:
+    """State-dict keys (relative to `module`) kept in their own dtype rather than the storage dtype: the
+    scales of schemes that fix theirs (a GGUF grid's fp16 scales, which the codes were chosen against)."""
+    return {f"{name}.weight_scale" if name else "weight_scale" for name, m in module.named_modules()
+            if getattr(getattr(m, "scheme", None), "scale_dtype", None) is not None}
 
 
 def as_stored(t: torch.Tensor, storage_dtype: torch.dtype) -> torch.Tensor:

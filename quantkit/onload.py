@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from quantkit.arch.adapter import ArchitectureAdapter
 from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
-from quantkit.export import as_stored
+from quantkit.export import as_stored, fixed_dtype_keys
 from quantkit.finite import check_output, find_nonfinite, refuse_or_zero, zero_nonfinite
 from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, ShardWriter
 from quantkit.formats.lazy import LazyCheckpoint
@@ -101,8 +101,8 @@ class OnloadedModel:
         module.load_state_dict(state, assign=True, strict=True)
         module.requires_grad_(False)
 
-    def _write(self, key: str, t: torch.Tensor) -> None:
-        name, t = self.namer(key), as_stored(t, self.storage)
+    def _write(self, key: str, t: torch.Tensor, own_dtype: bool = False) -> None:
+        name, t = self.namer(key), (t if own_dtype else as_stored(t, self.storage))
         check_output({name: t})
         assert self.writer is not None, "begin(writer) first"
         self.writer.add(name, t)
@@ -163,8 +163,9 @@ class OnloadedModel:
     def finish_layer(self, index: int, layer: nn.Module) -> None:
         """Write the (now quantized) layer's tensors and empty it."""
         prefix = f"{self.adapter.layers_path}.{index}."
+        keep = fixed_dtype_keys(layer)
         for rel, t in layer.state_dict().items():
-            self._write(prefix + rel, t)
+            self._write(prefix + rel, t, own_dtype=rel in keep)
         layer.to("meta")
 
     def end(self, write: bool = True) -> None:

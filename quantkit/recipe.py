@@ -39,6 +39,8 @@ class SchemeSpec(_Strict):
     actorder: Optional[Literal["static"]] = None
     input_activations: Optional[dict[str, Any]] = None  # FP8: {strategy: token} or {strategy: tensor, observer: mse}
     observer: Optional[Literal["minmax", "mse"]] = None  # FP8 weight scales (see QuantScheme)
+    grid: Optional[Literal["q4_0", "q8_0"]] = None  # a GGUF grid (see QuantScheme; presets Q4_0, Q8_0)
+    scale_dtype: Optional[Literal["float16", "bfloat16", "float32"]] = None
 
     @model_validator(mode="before")
     @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+import torch
 from pydantic import ConfigDict, field_validator, model_validator
 
 from quantkit.errors import RecipeError
@@ -51,6 +52,11 @@ class QuantScheme(StrictModel):
     actorder: Optional[Literal["static"]] = None  # GPTQ column order; "static" keeps groups contiguous
     input_activations: Optional[ActivationScheme] = None  # FP8 only: None = weight-only (16-bit activations)
     observer: Literal["minmax", "mse"] = "minmax"  # FP8 weight scales: absmax / 448, or the MSE-best shrink of it
+    # a GGUF grid (`quantkit.gguf`): ggml's own scale rule on group 32 with fp16 scales, so the codes are the
+    # file's codes. q4_0 (x = d (q - 8), d = the group's signed extreme / -8) is stored asymmetric with
+    # scale |d| and zero point 0 (d > 0) or -1 (d < 0); q8_0 (x = d q, d = absmax / 127) symmetric.
+    grid: Optional[Literal["q4_0", "q8_0"]] = None
+    scale_dtype: Optional[Literal["float16", "bfloat16", "float32"]] = None  # None: the checkpoint's dtype
 
     @model_validator(mode="before")
     @classmethod
@@ -71,6 +77,8 @@ class QuantScheme(StrictModel):
                 raise ValueError("float weights are FP8 e4m3: num_bits 8, symmetric")
             if self.strategy not in ("tensor", "channel", "block"):
                 raise ValueError(f"FP8 weights take strategy tensor, channel or block, not {self.strategy!r}")
+            if self.grid is not None or self.scale_dtype is not None:
+                raise ValueError("grid and scale_dtype are for int weights (FP8 scales follow the checkpoint dtype)")
             if self.group_size is not None:
                 raise ValueError("FP8 weights take no group_size; use strategy block with block_structure [128, 128]")
             if (self.strategy == "block") != (self.block_structure is not None):
@@ -78,6 +86,8 @@ class QuantScheme(StrictModel):
             if self.block_structure is not None and min(self.block_structure) <= 0:
                 raise ValueError(f"block_structure {list(self.block_structure)} must be positive")
             return self
+        if self.grid is not None:
+            self._check_grid()
         if self.input_activations is not None:
             raise ValueError("activation quantization is FP8 only here: int weights run with 16-bit activations")
         if self.observer != "minmax":
@@ -96,6 +106,23 @@ class QuantScheme(StrictModel):
             raise ValueError(f"strategy 'channel' takes no group_size (got {self.group_size}); "
                              "drop it or use strategy 'group'")
         return self
+
+    def _check_grid(self) -> None:
+        bits, symmetric = GRIDS[self.grid]
+        if (self.num_bits, self.symmetric, self.strategy, self.group_size) != (bits, symmetric, "group", 32):
+            raise ValueError(f"grid {self.grid} is {bits}-bit {'symmetric' if symmetric else 'asymmetric'} "
+                             f"group 32 (got {self.num_bits}-bit {'symmetric' if self.symmetric else 'asymmetric'} "
+                             f"{self.strategy} {self.group_size}): drop the other fields or use preset "
+                             f"{self.grid.upper()}")
+        if self.scale_dtype not in (None, "float16"):
+            raise ValueError(f"grid {self.grid} stores fp16 scales (got scale_dtype {self.scale_dtype})")
+        if self.actorder is not None:
+            raise ValueError(f"grid {self.grid}: actorder needs scales fixed before the solve; not supported")
+        object.__setattr__(self, "scale_dtype", "float16")
+
+    def scale_torch_dtype(self, default: torch.dtype) -> torch.dtype:
+        """The dtype scales are rounded to: the scheme's own (a GGUF grid's fp16), else `default`."""
+        return default if self.scale_dtype is None else getattr(torch, self.scale_dtype)
 
     @property
     def is_fp8(self) -> bool:
@@ -124,9 +151,14 @@ class QuantScheme(StrictModel):
             act = self.input_activations
             acts = "a16" if act is None else f"a8 {'dynamic per-token' if act.dynamic else f'static {act.observer}'}"
             return f"fp8 {gran}{' mse' if self.observer == 'mse' else ''}{order} {acts}"
+        if self.grid is not None:
+            return f"ggml {self.grid}"
         gran = "channel" if self.strategy == "channel" else f"g{self.group_size}"
         return f"int{self.num_bits} {'sym' if self.symmetric else 'asym'} {gran}{order}"
 
+
+# GGUF grids as quantkit int schemes: (num_bits, symmetric); group 32 and fp16 scales for all
+GRIDS: dict[str, tuple[int, bool]] = {"q4_0": (4, False), "q8_0": (8, True)}
 
 # Named presets are data: a recipe says `scheme: W4A16` or `scheme: {preset: W4A16, group_size: 64}`.
 PRESETS: dict[str, dict] = {
@@ -141,6 +173,9 @@ PRESETS: dict[str, dict] = {
                 input_activations={"strategy": "tensor", "observer": "minmax"}),
     "FP8_BLOCK": dict(num_bits=8, type="float", strategy="block", group_size=None, block_structure=[128, 128],
                       input_activations={"strategy": "token"}),
+    # GGUF's Q4_0 and Q8_0 grids (`quantkit export gguf` writes them without rounding again)
+    "Q4_0": dict(num_bits=4, symmetric=False, strategy="group", group_size=32, grid="q4_0"),
+    "Q8_0": dict(num_bits=8, symmetric=True, strategy="group", group_size=32, grid="q8_0"),
     "FP8_WEIGHT": dict(num_bits=8, type="float", strategy="channel", group_size=None),
 }
 

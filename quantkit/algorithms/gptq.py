@@ -16,6 +16,7 @@ from pydantic import Field
 from torch import nn
 
 from quantkit import distributed
+from quantkit.errors import RecipeError
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.algorithms.fp8 import StaticInputScales, nearest_fp8
 from quantkit.quant.fp8 import Fp8Weight, expanded_scale
@@ -33,6 +34,8 @@ class GPTQConfig(AlgorithmConfig):
     dampening_frac: float = Field(0.01, gt=0)  # fraction of mean(diag H) added to the diagonal
     dampening_retries: int = Field(4, ge=0)  # x10 the dampening this many times before giving up
     rtn_fallback: bool = True  # after the retries, quantize the layer with RTN (logged, recorded)
+    # GGUF Q4_0 grid: each block's d searched (diag(H)-weighted error) among ggml-shaped candidates
+    scale_search: bool = False
     mse_samples: int = Field(1 << 16, ge=1024)  # FP8 static activations, observer mse: input values kept
     seed: int = 0
 
@@ -48,6 +51,8 @@ class GPTQ(Algorithm):
 
     def __init__(self, config: GPTQConfig, scheme):
         super().__init__(config, scheme)
+        if config.scale_search and getattr(scheme, "grid", None) != "q4_0":
+            raise RecipeError("gptq: scale_search is for the Q4_0 grid (scheme: Q4_0)")
         self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed) if scheme.is_fp8 else None
 
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
@@ -150,7 +155,8 @@ class GPTQ(Algorithm):
                     weight = _fp8_rows(codes, nearest)
                 else:
                     # the weights themselves: the solver stacks them into its working copy in visiting order
-                    res = gptq_quantize(weights, H, self.scheme, scale_dtype, cfg.block_size, damp, actorder)
+                    res = gptq_quantize(weights, H, self.scheme, scale_dtype, cfg.block_size, damp, actorder,
+                                        scale_search=cfg.scale_search)
                     if not torch.isfinite(res.weight.scale.float()).all():
                         raise HessianError("non-finite scales")
                     weight, dead = res.weight, res.dead_columns

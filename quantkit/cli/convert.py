@@ -16,9 +16,13 @@ def command():
 @click.argument("file", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--dequantize", is_flag=True, help="Dequantize Q8_0 / Q4_0 linears too (default: kept quantized).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
-def gguf(file, output, dtype, overwrite):
-    """Dequantize the GGUF model FILE into a safetensors checkpoint.
+def gguf(file, output, dtype, dequantize, overwrite):
+    """Convert the GGUF model FILE into a safetensors checkpoint.
+
+    Linears stored as Q8_0 or Q4_0 stay quantized (compressed-tensors int8 / int4 group 32 with the
+    file's exact values); other types are dequantized to --dtype. The command says which went which way.
 
     \b
     Example:
@@ -28,5 +32,5 @@ def gguf(file, output, dtype, overwrite):
 
     from quantkit.models.gguf import convert_gguf
 
-    convert_gguf(file, output, getattr(torch, dtype), overwrite)
+    convert_gguf(file, output, getattr(torch, dtype), overwrite, keep=not dequantize, notify=click.echo)
     click.echo(f"Wrote {output}")

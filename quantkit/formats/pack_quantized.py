@@ -38,7 +38,7 @@ class PackQuantized(QuantFormat):
             "actorder": scheme.actorder,
             "observer": "minmax",
             "observer_kwargs": {},
-            "scale_dtype": None,
+            "scale_dtype": None if scheme.scale_dtype is None else f"torch.{scheme.scale_dtype}",
             "zp_dtype": None if scheme.symmetric else "torch.int8",
         }
 
@@ -56,8 +56,12 @@ class PackQuantized(QuantFormat):
         strategy = weights.get("strategy") or ("group" if (weights.get("group_size") or 0) > 0 else "channel")
         if strategy not in ("group", "channel"):
             raise CheckpointError(f"{where}: strategy {strategy!r} is not supported; supported: group, channel")
+        scale_dtype = weights.get("scale_dtype")
+        if scale_dtype is not None:
+            scale_dtype = str(scale_dtype).removeprefix("torch.")
         try:
             return QuantScheme(
+                scale_dtype=scale_dtype,
                 actorder="static" if weights.get("actorder") in ("static", "weight") else None,
                 num_bits=weights["num_bits"],
                 symmetric=weights.get("symmetric", True),

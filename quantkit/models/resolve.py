@@ -14,9 +14,12 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_model(spec: Optional[str]) -> Path:
-    """A local directory with config.json for `spec`; None means the default demo model."""
+    """A local directory with config.json for `spec` (a .gguf file: its converted checkpoint); None means the
+    default demo model."""
     spec = spec or DEFAULT_MODEL
     path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_checkpoint(path)
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ModelNotFoundError(f"model path {spec!r} is not a model directory (no config.json in it)")
@@ -32,6 +35,27 @@ def resolve_model(spec: Optional[str]) -> Path:
             "hub ids look like org/name)"
         )
     return _download_from_hub(spec)
+
+
+def gguf_checkpoint(file: Path) -> Path:
+    """A GGUF file as a checkpoint directory: converted once (Q8_0 / Q4_0 linears kept exact,
+    `quantkit.models.gguf`) into quantkit's cache, keyed by the file's path, size and mtime."""
+    import hashlib
+    import logging
+
+    from quantkit.models.gguf import convert_gguf
+    from quantkit.paths import cache_dir
+
+    st = file.stat()
+    key = hashlib.sha256(f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "gguf" / f"{file.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    log = logging.getLogger(__name__)
+    log.warning("%s: converting the GGUF file once into %s (Q8_0 / Q4_0 linears kept exact)", file, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    convert_gguf(file, out, notify=log.info)
+    return out
 
 
 def _download_from_hub(repo_id: str) -> Path:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.quant.fp8 import FP8_DTYPE, FP8_MAX
-from quantkit.quant.intq import QuantizedWeight, compute_qparams, minmax_qparams
+from quantkit.quant.intq import QuantizedWeight, compute_qparams, minmax_qparams, searched_grid_qparams
 from quantkit.schemes import QuantScheme
 
 
@@ -125,6 +125,7 @@ def gptq_quantize(
     dampening_frac: float = 0.01,
     actorder: bool = False,
     overwrite: bool = False,
+    scale_search: bool = False,
 ) -> GPTQResult:
     """Quantize W [out, in] given the input Hessian H [in, in] (float32).
 
@@ -132,6 +133,9 @@ def gptq_quantize(
     error-compensated weights. With act-order, columns are visited by decreasing diag(H), and
     scales are fixed beforehand per contiguous group of the original order ("static" groups),
     so the checkpoint needs no g_idx. overwrite: W (float32) may serve as the working copy.
+    scale_search (GGUF Q4_0 grid, groups as they are reached): each group's scale is the candidate of
+    `searched_grid_qparams` with the least diag(H)-weighted error on the compensated weights, instead
+    of ggml's plain rule.
 
     W may be a list of weights sharing the input (stacked on the output dim, as one matrix): the working
     copy is then filled from them, already in visiting order, so no unpermuted stack is ever made.
@@ -148,9 +152,11 @@ def gptq_quantize(
         perm = _order(diag, actorder)
         if actorder:
             W = W[:, perm]
+    if scale_search and (scheme.grid != "q4_0" or static):
+        raise ValueError("scale_search is for the Q4_0 grid, with groups quantized as they are reached (no actorder)")
     if not static:
         groups = scheme.group_count(n)
-        scale = torch.empty(out_f, groups, dtype=scale_dtype, device=W.device)
+        scale = torch.empty(out_f, groups, dtype=scheme.scale_torch_dtype(scale_dtype), device=W.device)
         zp = None if scheme.symmetric else torch.empty(out_f, groups, dtype=torch.int8, device=W.device)
     Hinv = inverse_hessian_factor(H, dampening_frac, perm if actorder else None, dead)
     gsize = n if scheme.strategy == "channel" else scheme.group_size
@@ -168,7 +174,7 @@ def gptq_quantize(
         g = group_of[j]
         if not static and j % gsize == 0:
             _group_qparams(W1[i : i + gsize], g, scheme, scale_dtype, scale, zp, s_rows[g],
-                           None if z_rows is None else z_rows[g])
+                           None if z_rows is None else z_rows[g], diag[j : j + gsize] if scale_search else None)
         w, s = W1[i], s_rows[g]
         torch.div(w, s, out=q)
         if scheme.symmetric:
@@ -310,10 +316,13 @@ def _order(diag: torch.Tensor, actorder: bool) -> torch.Tensor:
     return torch.argsort(diag, descending=True) if actorder else torch.arange(diag.shape[0], device=diag.device)
 
 
-def _group_qparams(cols, g, scheme, scale_dtype, scale, zp, s_out, z_out) -> None:
-    """Min/max parameters of group g from its current (error-compensated) columns [gs, out], written to
-    the scale table and to the group's float32 rows s_out / z_out [out]."""
-    s, z = compute_qparams(cols.amin(dim=0), cols.amax(dim=0), scheme, scale_dtype)
+def _group_qparams(cols, g, scheme, scale_dtype, scale, zp, s_out, z_out, importance=None) -> None:
+    """Parameters of group g from its current (error-compensated) columns [gs, out] (min/max, or searched
+    with `importance`), written to the scale table and to the group's float32 rows s_out / z_out [out]."""
+    if importance is not None:
+        s, z = searched_grid_qparams(cols, importance, scheme, scale_dtype)
+    else:
+        s, z = compute_qparams(cols.amin(dim=0), cols.amax(dim=0), scheme, scale_dtype)
     scale[:, g] = s
     s_out.copy_(s.float())
     if zp is not None:

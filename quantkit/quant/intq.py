@@ -42,9 +42,13 @@ def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 def compute_qparams(
     w_min: torch.Tensor, w_max: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Scales (rounded to scale_dtype) and int8 zero points from per-group value ranges."""
+    """Scales (rounded to scale_dtype, or to the scheme's own scale dtype) and int8 zero points from
+    per-group value ranges."""
+    scale_dtype = scheme.scale_torch_dtype(scale_dtype)
     w_min = torch.clamp(w_min.float(), max=0.0)  # 0 must be exactly representable
     w_max = torch.clamp(w_max.float(), min=0.0)
+    if scheme.grid is not None:
+        return _grid_qparams(w_min, w_max, scheme, scale_dtype)
     levels = float(scheme.qmax - scheme.qmin)
     if scheme.symmetric:
         scale = torch.maximum(-w_min, w_max) / (levels / 2)
@@ -56,6 +60,62 @@ def compute_qparams(
         return scale, None
     zp = torch.round(scheme.qmin - w_min / scale.float()).clamp(scheme.qmin, scheme.qmax)
     return scale, zp.to(torch.int8)
+
+
+def _grid_qparams(w_min: torch.Tensor, w_max: torch.Tensor, scheme: QuantScheme,
+                  scale_dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """ggml's scale rules. q8_0: d = absmax / 127. q4_0: d = (the signed value of largest magnitude) / -8,
+    so that value is code -8; as (scale, zero point): d > 0 -> (d, 0), d < 0 -> (-d, -1), i.e. x =
+    -d (c + 1) with c = -(q - 8) - 1 in [-8, 7]."""
+    tiny = torch.finfo(scale_dtype).tiny
+    if scheme.grid == "q8_0":
+        scale = torch.maximum(-w_min, w_max) / 127.0
+        return torch.where(scale > tiny, scale, torch.ones_like(scale)).to(scale_dtype), None
+    negative_extreme = -w_min >= w_max
+    scale = torch.where(negative_extreme, -w_min, w_max) / 8.0
+    scale = torch.where(scale > tiny, scale, torch.ones_like(scale)).to(scale_dtype)
+    zp = torch.where(negative_extreme, 0, -1).to(torch.int8)
+    return scale, zp
+
+
+SEARCH_SHRINK = tuple(1.0 - 0.025 * k for k in range(13))  # the extreme's share kept by a searched scale
+
+
+def searched_grid_qparams(cols: torch.Tensor, importance: torch.Tensor, scheme: QuantScheme,
+                          scale_dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Q4_0 parameters of one group per output row, chosen among ggml-shaped candidates by the
+    importance-weighted squared error sum_i h_i (x_i - x_hat_i)^2 (h: the inputs' mean square, diag H).
+
+    cols: [group, out] (a group's columns), importance: [group]. Candidates: the group's signed extreme
+    on code -8 (ggml's rule) or on code +7, each shrunk by the factors of SEARCH_SHRINK; scales rounded
+    to fp16 before the error is measured, so the winner is exactly what the file stores."""
+    assert scheme.grid == "q4_0", "the searched scale is Q4_0's"
+    scale_dtype = scheme.scale_torch_dtype(scale_dtype)
+    x = cols.float().t()  # [out, group]
+    w_min = x.amin(dim=1).clamp(max=0.0)
+    w_max = x.amax(dim=1).clamp(min=0.0)
+    neg = -w_min >= w_max
+    ext = torch.where(neg, -w_min, w_max)  # |signed extreme|, [out]
+    h = importance.float().clamp_min(0.0)
+    best_err = torch.full_like(ext, float("inf"))
+    best_s = torch.ones_like(ext, dtype=scale_dtype)
+    best_z = torch.zeros_like(ext, dtype=torch.int8)
+    tiny = torch.finfo(scale_dtype).tiny
+    for on_minus8 in (True, False):
+        # extreme on -8: d = ext / 8 toward the extreme's side; on +7: d = ext / 7 on the other side
+        levels = 8.0 if on_minus8 else 7.0
+        z = torch.where(neg == on_minus8, 0, -1).to(torch.int8)  # zero point -1 is d < 0 in ggml's terms
+        for f in SEARCH_SHRINK:
+            sc = (ext * f / levels)
+            sc = torch.where(sc > tiny, sc, torch.ones_like(sc)).to(scale_dtype)
+            s32, z32 = sc.float().unsqueeze(1), z.float().unsqueeze(1)
+            q = (x / s32 + z32).round_().clamp_(scheme.qmin, scheme.qmax)
+            err = ((q - z32) * s32 - x).pow_(2) @ h
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s = torch.where(better, sc, best_s)
+            best_z = torch.where(better, z, best_z)
+    return best_s, best_z
 
 
 def minmax_qparams(

@@ -1,0 +1,136 @@
+"""GGUF against llama.cpp itself: quantkit's calibrated GGUF files vs `llama-quantize` (with and without
+an importance matrix from `llama-imatrix`), all scored by `llama-perplexity` on emma.txt with
+`--kl-divergence` against the f16 GGUF that llama.cpp's own `convert_hf_to_gguf.py` makes.
+
+Both sides calibrate on the same 64 x 512 tokens: quantkit's calibration windows of sensesensibility
+(the recipe's), decoded to text for `llama-imatrix -c 512`. Needs llama.cpp's tools
+(`bash ../shared/tools/build-llamacpp.sh`; LLAMACPP_HOME, default ~/.cache/llamacpp).
+
+    python bench/gguf_peer.py smollm2-135m --chunks 40 --work /tmp/ggbench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+HOME = Path(os.environ.get("LLAMACPP_HOME", Path.home() / ".cache" / "llamacpp"))
+EMMA = ROOT / "evals" / "data" / "emma.txt"
+
+
+def run(cmd: list[str], log: Path) -> float:
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode:
+        sys.exit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}); see {log}")
+    return time.perf_counter() - start
+
+
+def calibration_text(model: Path, out: Path) -> None:
+    """quantkit's calibration windows for the recipe, decoded (one per line)."""
+    from quantkit.arch import adapter_for
+    from quantkit.formats.checkpoint import read_config
+    from quantkit.quantize import calibration_batches
+    from quantkit.recipe import load_recipe
+    from quantkit.runtime.loader import load_tokenizer
+
+    recipe = load_recipe("gptq-q4_0")
+    adapter = adapter_for(read_config(model)["model_type"])
+    batches = calibration_batches(model, recipe, adapter.needs_bos)
+    tok = load_tokenizer(model)
+    rows = [r for b in batches for r in b.tolist()]
+    if adapter.needs_bos:
+        rows = [r[1:] for r in rows]
+    out.write_text("\n".join(tok.decode(r) for r in rows) + "\n", encoding="utf-8")
+
+
+def score(L: Path, gguf: Path, base_logits: Path, chunks: int, ctx: int, log: Path) -> dict:
+    run([str(L / "llama-perplexity"), "-m", str(gguf), "-f", str(EMMA), "-c", str(ctx), "--chunks", str(chunks),
+         "-t", str(os.cpu_count()), "--kl-divergence-base", str(base_logits), "--kl-divergence"], log)
+    text = log.read_text(errors="replace")
+    num = r"([0-9.eE+-]+)"
+
+    def find(label):
+        m = re.search(label + r"\s*:\s*" + num, text)
+        return float(m.group(1)) if m else None
+
+    return {"ppl": find(r"Mean PPL\(Q\)"), "ppl_base": find(r"Mean PPL\(base\)"), "kld": find(r"Mean    KLD"),
+            "kld_99": find(r"99\.0%   KLD"), "top1": find(r"Same top p"), "bytes": gguf.stat().st_size}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="demo model name or checkpoint directory")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ggbench"))
+    ap.add_argument("--chunks", type=int, default=40, help="emma.txt windows scored (llama-perplexity --chunks)")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--recipes", default="gptq-q4_0,awq-q4_0,gptq-q8_0")
+    args = ap.parse_args()
+    from quantkit.models.resolve import resolve_model
+
+    L = HOME / "bin"
+    if not (L / "llama-perplexity").is_file():
+        sys.exit(f"llama.cpp's tools are not in {L}: bash ../shared/tools/build-llamacpp.sh")
+    model = resolve_model(args.model)
+    w = args.work / model.name
+    w.mkdir(parents=True, exist_ok=True)
+    print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} threads; model {model}")
+    f16 = w / "f16.gguf"
+    if not f16.exists():
+        run([sys.executable, str(HOME / "src" / "convert_hf_to_gguf.py"), str(model), "--outtype", "f16",
+             "--outfile", str(f16)], w / "convert.log")
+    calib = w / "calibration.txt"
+    calibration_text(model, calib)
+    times, files = {}, {}
+    times["llama-imatrix"] = run([str(L / "llama-imatrix"), "-m", str(f16), "-f", str(calib), "-c", "512",
+                                  "--chunks", "64", "-t", str(os.cpu_count()), "-o", str(w / "imatrix.gguf")],
+                                 w / "imatrix.log")
+    for kind in ("Q4_0", "Q8_0"):
+        for imatrix in (False, True):
+            if kind == "Q8_0" and imatrix:
+                continue  # llama.cpp's Q8_0 ignores the importance matrix
+            name = f"llama.cpp {kind}" + (" + imatrix" if imatrix else "")
+            out = w / f"llamacpp-{kind}{'-imatrix' if imatrix else ''}.gguf"
+            cmd = [str(L / "llama-quantize")] + (["--imatrix", str(w / "imatrix.gguf")] if imatrix else []) + \
+                  [str(f16), str(out), kind, str(os.cpu_count())]
+            times[name] = run(cmd, w / f"{out.stem}.log") + (times["llama-imatrix"] if imatrix else 0.0)
+            files[name] = out
+    for recipe in args.recipes.split(","):
+        ckpt = w / f"quantkit-{recipe}"
+        t = run([sys.executable, "-m", "quantkit", "quantize", str(model), "--recipe", recipe, "-o", str(ckpt),
+                 "--overwrite"], w / f"{recipe}.log")
+        out = w / f"quantkit-{recipe}.gguf"
+        t += run([sys.executable, "-m", "quantkit", "export", "gguf", str(ckpt), "-o", str(out), "--overwrite"],
+                 w / f"{recipe}-export.log")
+        times[f"quantkit {recipe}"] = t
+        files[f"quantkit {recipe}"] = out
+    base = w / "f16.logits"
+    run([str(L / "llama-perplexity"), "-m", str(f16), "-f", str(EMMA), "-c", str(args.ctx), "--chunks",
+         str(args.chunks), "-t", str(os.cpu_count()), "--kl-divergence-base", str(base)], w / "f16-ppl.log")
+    rows = {}
+    for name, path in files.items():
+        rows[name] = score(L, path, base, args.chunks, args.ctx, w / f"{path.stem}-ppl.log")
+        rows[name]["seconds"] = round(times[name], 1)
+    base.unlink()
+    ppl0 = next(iter(rows.values()))["ppl_base"]
+    print(f"\nllama-perplexity, emma.txt, {args.chunks} x {args.ctx} tokens; KLD vs f16 ({ppl0:.4f}); "
+          f"cpu {torch.backends.cpu.get_cpu_capability()}")
+    print("| file | size MB | PPL | ΔPPL | mean KLD | same top-1 % | time s |\n|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['bytes'] / 1e6:.2f} | {r['ppl']:.4f} | {r['ppl'] - ppl0:+.4f} | {r['kld']:.5f} | "
+              f"{r['top1']:.2f} | {r['seconds']} |")
+    (w / "results.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""ggml block layouts as bytes (numpy, no torch): Q8_0 and Q4_0 (blocks of 32 weights along a row),
+Q6_K (super-blocks of 256).
+
+Q8_0: one fp16 d, then 32 int8 codes; x = d q (34 bytes). Q4_0: one fp16 d, then 16 bytes of
+nibbles in split-half order (byte j holds element j in its low nibble and element j + 16 in its
+high nibble), codes q in 0..15; x = d (q - 8) (18 bytes). Q6_K: 256 weights in 16 sub-blocks of
+16, x = d s_j (q - 32) with q in 0..63, int8 sub-scales s_j and one fp16 d; bytes: 128 of low nibbles
+(in each half of 128 weights, byte b holds weight b low and weight b + 64 high), 64 of high bit pairs
+(byte b of a half holds weights b, b + 32, b + 64, b + 96 at bits 0, 2, 4, 6), 16 sub-scales, d
+(210 bytes). Little-endian, as ggml writes them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 32
+SUPER = 256  # weights per K-quant super-block
+TYPE_BYTES = {"Q8_0": 2 + BLOCK, "Q4_0": 2 + BLOCK // 2, "Q6_K": SUPER // 2 + SUPER // 4 + SUPER // 16 + 2}
+
+
+def _blocks(rows: int, cols: int) -> int:
+    if cols % BLOCK:
+        raise ValueError(f"a row of {cols} weights is not a whole number of {BLOCK}-weight blocks")
+    return cols // BLOCK
+
+
+def pack_q8_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """codes int8 [rows, cols], d float16 [rows, cols / 32] -> uint8 [rows, cols / 32 * 34]."""
+    rows, cols = codes.shape
+    n = _blocks(rows, cols)
+    out = np.empty((rows, n, TYPE_BYTES["Q8_0"]), dtype=np.uint8)
+    out[:, :, :2] = np.ascontiguousarray(d, dtype="<f2").reshape(rows, n, 1).view(np.uint8)
+    out[:, :, 2:] = np.ascontiguousarray(codes, dtype=np.int8).reshape(rows, n, BLOCK).view(np.uint8)
+    return out.reshape(rows, -1)
+
+
+def unpack_q8_0(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `pack_q8_0`: (codes int8 [rows, cols], d float16 [rows, cols / 32])."""
+    rows = raw.shape[0]
+    n = _blocks(rows, cols)
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, n, TYPE_BYTES["Q8_0"])
+    d = np.ascontiguousarray(b[:, :, :2]).view("<f2").reshape(rows, n)
+    codes = np.ascontiguousarray(b[:, :, 2:]).view(np.int8).reshape(rows, cols)
+    return codes, d
+
+
+def pack_q4_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """q uint8 in 0..15 [rows, cols], d float16 [rows, cols / 32] -> uint8 [rows, cols / 32 * 18]."""
+    rows, cols = q.shape
+    n = _blocks(rows, cols)
+    if q.size and (q.min() < 0 or q.max() > 15):
+        raise ValueError("Q4_0 codes must lie in 0..15")
+    g = q.astype(np.uint8).reshape(rows, n, BLOCK)
+    out = np.empty((rows, n, TYPE_BYTES["Q4_0"]), dtype=np.uint8)
+    out[:, :, :2] = np.ascontiguousarray(d, dtype="<f2").reshape(rows, n, 1).view(np.uint8)
+    out[:, :, 2:] = g[:, :, : BLOCK // 2] | (g[:, :, BLOCK // 2 :] << 4)
+    return out.reshape(rows, -1)
+
+
+def unpack_q4_0(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `pack_q4_0`: (q uint8 in 0..15 [rows, cols], d float16 [rows, cols / 32])."""
+    rows = raw.shape[0]
+    n = _blocks(rows, cols)
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, n, TYPE_BYTES["Q4_0"])
+    d = np.ascontiguousarray(b[:, :, :2]).view("<f2").reshape(rows, n)
+    nib = b[:, :, 2:]
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(rows, cols)
+    return q, d
+
+
+def pack_q6_k(q: np.ndarray, sub_scales: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """q uint8 in 0..63 [rows, cols], sub_scales int8 [rows, cols / 16], d float16 [rows, cols / 256]
+    -> uint8 [rows, cols / 256 * 210]."""
+    rows, cols = q.shape
+    if cols % SUPER:
+        raise ValueError(f"a row of {cols} weights is not a whole number of {SUPER}-weight super-blocks")
+    n = cols // SUPER
+    g = q.astype(np.uint8).reshape(rows, n, 2, 128)  # two halves of 128 weights
+    lo, hi = g & 0x0F, g >> 4
+    ql = lo[..., :64] | (lo[..., 64:] << 4)  # [rows, n, 2, 64]
+    h = hi.reshape(rows, n, 2, 4, 32)
+    qh = h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)  # [rows, n, 2, 32]
+    out = np.empty((rows, n, TYPE_BYTES["Q6_K"]), dtype=np.uint8)
+    out[:, :, :128] = ql.reshape(rows, n, 128)
+    out[:, :, 128:192] = qh.reshape(rows, n, 64)
+    out[:, :, 192:208] = np.ascontiguousarray(sub_scales, dtype=np.int8).reshape(rows, n, 16).view(np.uint8)
+    out[:, :, 208:] = np.ascontiguousarray(d, dtype="<f2").reshape(rows, n, 1).view(np.uint8)
+    return out.reshape(rows, -1)
+
+
+def dequantize(kind: str, raw: np.ndarray, cols: int) -> np.ndarray:
+    """float32 [rows, cols] values of Q8_0 / Q4_0 blocks (d widened to float32, times the code: exact)."""
+    if kind == "Q8_0":
+        codes, d = unpack_q8_0(raw, cols)
+        vals = codes.astype(np.float32)
+    elif kind == "Q4_0":
+        q, d = unpack_q4_0(raw, cols)
+        vals = q.astype(np.float32) - 8.0
+    else:
+        raise ValueError(f"no block layout for {kind}")
+    rows = raw.shape[0]
+    return (vals.reshape(rows, -1, BLOCK) * d.astype(np.float32)[:, :, None]).reshape(rows, cols)

@@ -1,0 +1,248 @@
+"""`quantkit export gguf`: a checkpoint (quantkit's compressed-tensors output, or float) as one GGUF file.
+
+Quantized linears on a ggml grid (Q4_0: int4 group 32 with fp16 scales and zero points 0 / -1;
+Q8_0: symmetric int8 group 32, fp16 scales; `quantkit.gguf.grids`) are written code for code: the file
+holds exactly what quantkit's solver chose. Tensors no algorithm quantized (embeddings, the output
+matrix, a float checkpoint's linears) are rounded to nearest on the type llama.cpp would give them
+(`quantkit.gguf.mixture`), and the closing summary says how many went which way. A quantized weight
+not on its tensor's grid is refused, never rounded a second time. The file is written to a hidden
+sibling and renamed at the end: an interrupted export leaves nothing at the output path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from quantkit.errors import CheckpointError, OutputExistsError
+from quantkit.formats.checkpoint import read_config, weight_files
+from quantkit.formats.compressed_tensors import parse_quantization_config
+from quantkit.gguf import blocks, grids, metadata, mixture
+from quantkit.quant.intq import rtn
+from quantkit.quant.packing import unpack_int32
+from quantkit.schemes import PRESETS, QuantScheme
+
+log = logging.getLogger(__name__)
+
+PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx")
+
+
+@dataclass
+class ExportSummary:
+    path: Path
+    file_type: str
+    bytes: int = 0
+    types: Counter = field(default_factory=Counter)  # ggml type -> tensors
+    exact: int = 0  # quantized tensors written code for code
+    nearest: list[str] = field(default_factory=list)  # tensors rounded to nearest here
+
+    def line(self) -> str:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.types.items()))
+        return (f"wrote {self.path} ({self.bytes / 1e6:.1f} MB, file type {self.file_type}): {kinds}; "
+                f"{self.exact} calibrated tensors as quantized, {len(self.nearest)} rounded to nearest here")
+
+
+def _open(ckpt: Path) -> dict[str, tuple[Path, str]]:
+    from safetensors import safe_open
+
+    where = {}
+    for file in weight_files(ckpt):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                where[key] = (file, key)
+    return where
+
+
+class _Tensors:
+    """The checkpoint's tensors by name, read one at a time (safetensors)."""
+
+    def __init__(self, ckpt: Path):
+        self.where = _open(ckpt)
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file, key = self.where[name]
+        with safe_open(file, "pt") as f:
+            return f.get_tensor(key)
+
+
+def infer_file_type(config: dict, schemes: dict[str, QuantScheme]) -> str:
+    """The file type a quantized checkpoint's linears are stored in exactly."""
+    kinds = {grids.ggml_type_of(s) for s in schemes.values()}
+    if len(kinds) == 1 and None not in kinds:
+        return kinds.pop()
+    if not schemes:
+        raise CheckpointError("a float checkpoint: give the GGUF type to round it to (--type q8_0, q4_0 or f16)")
+    shown = sorted({s.short() for s in schemes.values()})
+    raise CheckpointError(f"the checkpoint's weights ({', '.join(shown)}) are not on one GGUF grid: GGUF holds Q4_0 "
+                          "(int4 group 32) and Q8_0 (int8 symmetric group 32) with fp16 scales; quantize with "
+                          "recipe gptq-q4_0, awq-q4_0 or gptq-q8_0")
+
+
+def export_gguf(checkpoint: Path, out: Path, file_type: Optional[str] = None, overwrite: bool = False,
+                tokenizer_pre: Optional[str] = None, notify: Callable[[str], None] = log.info) -> ExportSummary:
+    import gguf
+
+    ckpt = Path(checkpoint)
+    out = Path(out)
+    config = read_config(ckpt)
+    model_type = config.get("model_type", "?")
+    metadata.gguf_arch(model_type)  # refuses other architectures before any work
+    _check_output(out, overwrite, ckpt)
+    tensors = _Tensors(ckpt)
+    schemes = _linear_schemes(config, tensors.where)
+    body = {m: s for m, s in schemes.items() if not m.endswith("lm_head")}  # the output matrix has its own type
+    ftype = (file_type or "").upper() or infer_file_type(config, body)
+    if ftype not in mixture.FILE_TYPES:
+        raise CheckpointError(f"GGUF type {file_type!r}: use one of {', '.join(t.lower() for t in mixture.FILE_TYPES)}")
+    tied = bool(config.get("tie_word_embeddings", model_type in ("gemma3_text",)))
+    name_of = metadata.tensor_namer(model_type, config["num_hidden_layers"])
+    summary = ExportSummary(out, ftype)
+    tmp = out.with_name(f".{out.name}.quantkit-tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(tmp, metadata.arch_key(model_type))
+    try:
+        metadata.write_hparams(writer, config, int(getattr(gguf.LlamaFileType, mixture.FILE_TYPES[ftype])), ckpt.name)
+        metadata.write_tokenizer(writer, ckpt, config, tokenizer_pre, notify)
+        for hf_name in _tensor_names(tensors.where, schemes):
+            gname = name_of(hf_name)
+            if gname is None:
+                if hf_name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise CheckpointError(f"{ckpt}: tensor {hf_name} has no GGUF name for {model_type}")
+            module = hf_name.removesuffix(".weight")
+            if module in schemes:
+                data, kind = _quantized(tensors, module, schemes[module], gname, ftype, tied, config)
+                summary.exact += 1
+            else:
+                data, kind = _float(tensors.get(hf_name), hf_name, gname, ftype, tied, config, ckpt)
+                if kind not in ("F32", "F16"):
+                    summary.nearest.append(gname)
+            summary.types[kind] += 1
+            writer.add_tensor(gname, data, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    summary.bytes = out.stat().st_size
+    notify(summary.line())
+    return summary
+
+
+def _check_output(out: Path, overwrite: bool, source: Path) -> None:
+    if out.suffix != ".gguf":
+        raise CheckpointError(f"output {str(out)!r}: a GGUF file name ends in .gguf")
+    if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents and out.is_dir():
+        raise CheckpointError(f"output {str(out)!r} would replace the source checkpoint")
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise OutputExistsError(f"output {str(out)!r} already exists; pass --overwrite to replace it, or choose "
+                                    "another -o")
+        if not out.is_file():
+            raise OutputExistsError(f"output {str(out)!r} is not a file; --overwrite replaces an earlier GGUF file only")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"output directory {str(out.parent)!r} does not exist")
+
+
+def _linear_schemes(config: dict, where: dict) -> dict[str, QuantScheme]:
+    """module name -> scheme of every quantized linear in the checkpoint."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return {}
+    plan = parse_quantization_config(qc, "quantization_config")
+    if plan.kv_cache_strategy:
+        log.info("KV-cache scales are not carried into GGUF (llama.cpp calibrates no KV cache)")
+    probe = nn.Linear(1, 1, device="meta")
+    out = {}
+    for key in where:
+        if key.endswith(".weight_packed") or (key.endswith(".weight") and key[: -len(".weight")] + ".weight_scale" in where):
+            module = key.rsplit(".", 1)[0]
+            group = plan.lookup(module, probe)
+            if group is None:
+                raise CheckpointError(f"{module}: quantized tensors but no config group of quantization_config")
+            if group.scheme.type != "int":
+                raise CheckpointError(f"{module}: FP8 weights ({group.scheme.short()}) have no GGUF type; quantize "
+                                      "the float original with a GGUF recipe (gptq-q4_0, gptq-q8_0)")
+            out[module] = group.scheme
+    return out
+
+
+def _tensor_names(where: dict, schemes: dict) -> list[str]:
+    """The weights to write, in the checkpoint's sorted order (as llama.cpp's converter reads them)."""
+    names = []
+    for key in sorted(where):
+        module = key.rsplit(".", 1)[0]
+        if module in schemes:
+            if key.endswith(".weight_packed") or (key.endswith(".weight") and schemes[module].num_bits == 8
+                                                   and module + ".weight_scale" in where):
+                names.append(module + ".weight")
+            continue
+        names.append(key)
+    return names
+
+
+def _codes(tensors: _Tensors, module: str, scheme: QuantScheme):
+    scale = tensors.get(module + ".weight_scale")
+    if module + ".weight_packed" in tensors.where:
+        rows, cols = (int(v) for v in tensors.get(module + ".weight_shape"))
+        codes = unpack_int32(tensors.get(module + ".weight_packed"), scheme.num_bits, cols, dim=1)
+    else:
+        codes = tensors.get(module + ".weight")
+        rows, cols = codes.shape
+    zp = None
+    if not scheme.symmetric:
+        zp = unpack_int32(tensors.get(module + ".weight_zero_point"), scheme.num_bits, rows, dim=0)
+    return codes, scale, zp
+
+
+def _quantized(tensors, module, scheme, gname, ftype, tied, config):
+    codes, scale, zp = _codes(tensors, module, scheme)
+    want = mixture.tensor_type(gname, tuple(codes.shape), ftype, tied)
+    have = grids.ggml_type_of(scheme)
+    if have != want:
+        raise CheckpointError(f"{module} ({gname}) is stored as {scheme.short()}, but GGUF file type {ftype} puts "
+                              f"{want} there; quantize it with a {want.lower()} scheme or export as "
+                              f"{(have or 'another type').lower()}")
+    if have == "Q4_0":
+        q, d = grids.q4_0_blocks(codes, scale, zp, module)
+        raw = blocks.pack_q4_0(q, d)
+    else:
+        c, d = grids.q8_0_blocks(codes, scale, module)
+        raw = blocks.pack_q8_0(c, d)
+    return _rows(raw, module + ".weight", config), have
+
+
+def _rows(data: np.ndarray, hf_name: str, config: dict) -> np.ndarray:
+    order = metadata.row_order(hf_name, config, data.shape[0])
+    return data if order is None else np.ascontiguousarray(data[order])
+
+
+def _float(tensor: torch.Tensor, hf_name, gname, ftype, tied, config, ckpt):
+    tensor = metadata.float_transform(hf_name, config, tensor, ckpt)
+    kind = mixture.tensor_type(gname, tuple(tensor.shape), ftype, tied)
+    if kind == "F32":
+        data = tensor.float().numpy()
+    elif kind == "F16":
+        data = tensor.to(torch.float16).numpy()
+    elif kind == "Q6_K":
+        data = blocks.pack_q6_k(*grids.nearest_q6_k(tensor))
+    else:
+        qw = rtn(tensor, QuantScheme(**PRESETS[kind]), torch.float16)
+        if kind == "Q8_0":
+            data = blocks.pack_q8_0(*grids.q8_0_blocks(qw.q, qw.scale, gname))
+        else:
+            data = blocks.pack_q4_0(*grids.q4_0_blocks(qw.q, qw.scale, qw.zero_point, gname))
+    return _rows(np.ascontiguousarray(data), hf_name, config), kind

@@ -1,0 +1,93 @@
+"""Exact maps between quantkit's int weights (codes, scale, zero point; compressed-tensors' convention
+x = (c - z) s) and ggml's Q4_0 / Q8_0 blocks (x = d (q - 8), x = d q).
+
+Q4_0 is asymmetric int4 group 32 with fp16 scales and zero points in {0, -1}: z = 0 is d = s,
+q = c + 8; z = -1 is d = -s, q = 7 - c (x = s (c + 1) = -s (q - 8)). Symmetric int4 group 32 is
+Q4_0 with d = s. Q8_0 is symmetric int8 group 32 with d = s. Every map here is exact in both
+directions, or refuses: a weight that is not on a ggml grid is never rounded again silently.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from quantkit.errors import CheckpointError
+from quantkit.schemes import QuantScheme
+
+GROUP = 32
+
+
+def ggml_type_of(scheme: QuantScheme) -> Optional[str]:
+    """The ggml type an int scheme's weights are stored in exactly, or None (given fp16-exact scales and,
+    for asymmetric int4, zero points in {0, -1}: `q4_0_blocks` checks those per tensor)."""
+    if scheme.type != "int" or scheme.strategy != "group" or scheme.group_size != GROUP or scheme.actorder:
+        return None
+    if scheme.num_bits == 8 and scheme.symmetric:
+        return "Q8_0"
+    if scheme.num_bits == 4:
+        return "Q4_0"
+    return None
+
+
+def fp16_scale(scale: torch.Tensor, what: str) -> np.ndarray:
+    """The scales as float16, refusing any that float16 does not hold exactly."""
+    s16 = scale.to(torch.float16)
+    if not bool(torch.isfinite(s16).all()) or not torch.equal(s16.to(scale.dtype), scale):
+        raise CheckpointError(f"{what}: its scales are not all exact in float16 (stored as {scale.dtype}); GGUF holds "
+                         "fp16 scales: quantize with a GGUF recipe (gptq-q4_0, gptq-q8_0) to get them")
+    return s16.numpy()
+
+
+def q4_0_blocks(codes: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor],
+                what: str) -> tuple[np.ndarray, np.ndarray]:
+    """(q uint8 0..15 [out, in], d float16 [out, in / 32]) of int4 group-32 codes in [-8, 7]."""
+    s = fp16_scale(scale, what)
+    c = codes.to(torch.int16).numpy().reshape(codes.shape[0], -1, GROUP)
+    if zero_point is None:
+        return (c + 8).astype(np.uint8).reshape(codes.shape), s
+    z = zero_point.to(torch.int16).numpy()
+    if not np.isin(z, (0, -1)).all():
+        raise CheckpointError(f"{what}: zero points other than 0 and -1 are not on the Q4_0 grid (x = d (q - 8)); "
+                         "quantize with recipe gptq-q4_0 or awq-q4_0")
+    neg = (z == -1)[:, :, None]
+    q = np.where(neg, 7 - c, c + 8).astype(np.uint8).reshape(codes.shape)
+    d = np.where(z == -1, -s, s).astype(np.float16)
+    return q, d
+
+
+def int_from_q4_0(q: np.ndarray, d: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse: (codes int8 [-8, 7], fp16 scale >= 0, int8 zero point in {0, -1}) for Q4_0 blocks."""
+    neg = np.signbit(d)
+    g = q.astype(np.int16).reshape(q.shape[0], -1, GROUP)
+    c = np.where(neg[:, :, None], 7 - g, g - 8).astype(np.int8).reshape(q.shape)
+    return (torch.from_numpy(c), torch.from_numpy(np.abs(d).astype(np.float16)),
+            torch.from_numpy(np.where(neg, -1, 0).astype(np.int8)))
+
+
+def q8_0_blocks(codes: torch.Tensor, scale: torch.Tensor, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """(codes int8 [out, in], d float16 [out, in / 32]) of symmetric int8 group-32 weights."""
+    return codes.to(torch.int8).numpy(), fp16_scale(scale, what)
+
+
+def nearest_q6_k(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Round-to-nearest onto Q6_K (for tensors no algorithm calibrates: embeddings, the output matrix).
+    Each sub-block of 16 gets the scale that puts its signed extreme on code -32; d = max |scale| / 127
+    (fp16); sub-scales round to int8 against d; codes round against d * s_j. Returns (q 0..63, s_j, d)."""
+    rows, cols = w.shape
+    x = w.float().reshape(rows, cols // 16, 16)
+    amax_i = x.abs().argmax(dim=-1, keepdim=True)
+    extreme = torch.gather(x, -1, amax_i).squeeze(-1)  # [rows, subs]
+    sub = extreme / -32.0
+    sup = sub.reshape(rows, cols // 256, 16)
+    d = (sup.abs().amax(dim=-1) / 127.0).to(torch.float16)  # [rows, supers]
+    d32 = d.float().clamp_min(torch.finfo(torch.float16).tiny)
+    sc = torch.round(sup / d32.unsqueeze(-1)).clamp(-128, 127)  # [rows, supers, 16]
+    step = (d.float().unsqueeze(-1) * sc).reshape(rows, cols // 16, 1)
+    safe = torch.where(step == 0, torch.ones_like(step), step)
+    q = torch.round(x / safe).clamp(-32, 31)
+    q = torch.where(step == 0, torch.zeros_like(q), q)
+    return ((q + 32).to(torch.uint8).reshape(rows, cols).numpy(), sc.to(torch.int8).reshape(rows, -1).numpy(),
+            d.numpy())

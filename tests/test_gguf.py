@@ -1,0 +1,375 @@
+"""GGUF: ggml block layouts (fixed bytes, gguf-py's dequantizer as the reader), the Q4_0 / Q8_0 grids,
+llama.cpp's tensor types, export of calibrated checkpoints code for code, import without loss, and
+llama.cpp itself loading and scoring the files when its tools are built."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+
+from quantkit.errors import CheckpointError, OutputExistsError  # noqa: E402
+from quantkit.gguf import blocks, grids, mixture  # noqa: E402
+from quantkit.gguf.export import export_gguf  # noqa: E402
+from quantkit.gguf.metadata import row_order  # noqa: E402
+from quantkit.quant.intq import compute_qparams, rtn  # noqa: E402
+from quantkit.quantize import quantize  # noqa: E402
+from quantkit.recipe import load_recipe  # noqa: E402
+from quantkit.runtime.loader import load  # noqa: E402
+from quantkit.schemes import PRESETS, QuantScheme, resolve_scheme  # noqa: E402
+
+from conftest import make_tiny_model  # noqa: E402
+
+SMALL = ["calibration.num_samples=8", "calibration.seq_len=32", "calibration.batch_size=4"]
+LLAMACPP = Path(os.environ.get("LLAMACPP_HOME", Path.home() / ".cache" / "llamacpp"))
+Q4_0, Q8_0 = QuantScheme(**PRESETS["Q4_0"]), QuantScheme(**PRESETS["Q8_0"])
+HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+# --- block layouts --------------------------------------------------------------------------------
+
+def test_q4_0_bytes_are_split_half():
+    q = np.arange(32, dtype=np.uint8).reshape(1, 32) % 16  # 0..15, 0..15
+    q[0, 16:] = 15 - q[0, 16:]  # high halves 15..0
+    d = np.array([[1.5]], dtype=np.float16)  # fp16 0x3E00
+    raw = blocks.pack_q4_0(q, d)
+    expected = bytes([0x00, 0x3E]) + bytes(j | ((15 - j) << 4) for j in range(16))
+    assert raw.tobytes() == expected
+    back_q, back_d = blocks.unpack_q4_0(raw, 32)
+    assert np.array_equal(back_q, q) and np.array_equal(back_d, d)
+
+
+def test_q8_0_bytes():
+    codes = np.array([[-128, -1, 0, 1, 127] + [0] * 27], dtype=np.int8)
+    d = np.array([[-2.0]], dtype=np.float16)  # fp16 0xC000
+    raw = blocks.pack_q8_0(codes, d)
+    assert raw.tobytes()[:7] == bytes([0x00, 0xC0, 0x80, 0xFF, 0x00, 0x01, 0x7F]) and raw.shape == (1, 34)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q6_K"])
+def test_blocks_read_back_by_gguf_py(kind):
+    rng = np.random.default_rng(0)
+    rows, cols = 3, 512
+    if kind == "Q4_0":
+        q, d = rng.integers(0, 16, (rows, cols)).astype(np.uint8), rng.normal(size=(rows, cols // 32)).astype(np.float16)
+        raw, mine = blocks.pack_q4_0(q, d), (q.astype(np.float32) - 8) * np.repeat(d.astype(np.float32), 32, 1)
+    elif kind == "Q8_0":
+        c, d = rng.integers(-128, 128, (rows, cols)).astype(np.int8), rng.normal(size=(rows, cols // 32)).astype(np.float16)
+        raw, mine = blocks.pack_q8_0(c, d), c.astype(np.float32) * np.repeat(d.astype(np.float32), 32, 1)
+    else:
+        q = rng.integers(0, 64, (rows, cols)).astype(np.uint8)
+        s = rng.integers(-128, 128, (rows, cols // 16)).astype(np.int8)
+        d = rng.normal(size=(rows, cols // 256)).astype(np.float16)
+        raw = blocks.pack_q6_k(q, s, d)
+        step = np.repeat(d.astype(np.float32), 256, 1) * np.repeat(s.astype(np.float32), 16, 1)
+        mine = (q.astype(np.float32) - 32) * step
+    assert raw.shape[1] == cols // (256 if kind == "Q6_K" else 32) * blocks.TYPE_BYTES[kind]
+    theirs = gguf_dequantize(raw, getattr(gguf.GGMLQuantizationType, kind))
+    assert np.array_equal(theirs, mine)
+    if kind != "Q6_K":
+        assert np.array_equal(blocks.dequantize(kind, raw, cols), theirs)
+
+
+def test_nearest_q6_k_is_6_bit_accurate():
+    w = torch.randn(8, 512)
+    raw = blocks.pack_q6_k(*grids.nearest_q6_k(w))
+    back = torch.from_numpy(gguf_dequantize(raw, gguf.GGMLQuantizationType.Q6_K))
+    sqnr = 10 * torch.log10(w.pow(2).sum() / (w - back).pow(2).sum())
+    assert sqnr > 30  # 6 bits with per-16 scales: ~34 dB on Gaussian weights
+
+
+# --- grids ----------------------------------------------------------------------------------------
+
+def test_q4_0_scale_rule():
+    """d = the signed extreme / -8: a negative extreme gives (|x|/8, zero point 0), a positive one (x/8, -1)."""
+    w_min = torch.tensor([[-4.0, -1.0]])
+    w_max = torch.tensor([[1.0, 2.0]])
+    scale, zp = compute_qparams(w_min, w_max, Q4_0, torch.bfloat16)
+    assert scale.dtype == torch.float16  # the grid's own scale dtype wins over the checkpoint's
+    assert scale.tolist() == [[0.5, 0.25]] and zp.tolist() == [[0, -1]]
+    s8, z8 = compute_qparams(torch.tensor([[-127.0]]), torch.tensor([[3.0]]), Q8_0, torch.bfloat16)
+    assert s8.item() == 1.0 and z8 is None
+
+
+@pytest.mark.parametrize("scheme", [Q4_0, Q8_0], ids=["q4_0", "q8_0"])
+def test_rtn_on_the_grid_matches_ggml_reference(scheme):
+    """Round-to-nearest on quantkit's grid against gguf-py's port of ggml's reference quantizer: the same
+    d in every block, codes equal but for rounding ties (ggml derives codes from the unrounded d)."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 256)
+    qw = rtn(w, scheme, torch.bfloat16)
+    kind = "Q4_0" if scheme.grid == "q4_0" else "Q8_0"
+    if kind == "Q4_0":
+        q, d = grids.q4_0_blocks(qw.q, qw.scale, qw.zero_point, "w")
+        mine = blocks.pack_q4_0(q, d)
+    else:
+        mine = blocks.pack_q8_0(*grids.q8_0_blocks(qw.q, qw.scale, "w"))
+    ref = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, kind))
+    per = blocks.TYPE_BYTES[kind]
+    assert np.array_equal(mine.reshape(-1, per)[:, :2], ref.reshape(-1, per)[:, :2])  # the fp16 d of every block
+    ours = blocks.dequantize(kind, mine, 256)
+    theirs = gguf_dequantize(ref, getattr(gguf.GGMLQuantizationType, kind))
+    assert np.mean(ours == theirs) > 0.98
+    step = np.repeat(np.abs(blocks.unpack_q8_0(mine, 256)[1] if kind == "Q8_0" else blocks.unpack_q4_0(mine, 256)[1])
+                     .astype(np.float32), 32, 1)
+    assert bool((np.abs(ours - theirs) <= step * 1.0001).all())  # never more than one code apart
+    assert np.array_equal(ours, qw.dequantize(torch.float32).numpy())  # the blocks hold quantkit's values
+
+
+def test_searched_q4_0_scale_never_worse_than_ggml_rule():
+    """The searched block scale includes ggml's own rule among its candidates, so its importance-weighted
+    error is never larger; the winner is stored as it was measured (fp16, zero point 0 / -1)."""
+    from quantkit.quant.intq import searched_grid_qparams
+
+    torch.manual_seed(0)
+    cols = torch.randn(32, 200) * torch.rand(1, 200)  # [group, out]
+    h = torch.rand(32) ** 4  # a few inputs dominate, as real activations do
+    s, z = searched_grid_qparams(cols, h, Q4_0, torch.bfloat16)
+    s0, z0 = compute_qparams(cols.amin(0), cols.amax(0), Q4_0, torch.bfloat16)
+    assert s.dtype == torch.float16 and set(z.tolist()) <= {0, -1}
+
+    def err(scale, zp):
+        x = cols.t()
+        q = (x / scale.float()[:, None] + zp.float()[:, None]).round().clamp(-8, 7)
+        return ((q - zp.float()[:, None]) * scale.float()[:, None] - x).pow(2) @ h
+
+    e, e0 = err(s, z), err(s0, z0)
+    assert bool((e <= e0 + 1e-9).all()) and float(e.sum()) < 0.9 * float(e0.sum())
+
+
+def test_q4_0_int_round_trip_exact():
+    rng = np.random.default_rng(1)
+    q = rng.integers(0, 16, (4, 64)).astype(np.uint8)
+    d = rng.normal(size=(4, 2)).astype(np.float16)  # both signs
+    codes, scale, zp = grids.int_from_q4_0(q, d)
+    assert set(zp.flatten().tolist()) <= {0, -1} and bool((scale >= 0).all())
+    values = ((codes.float() - zp.float().repeat_interleave(32, 1)) * scale.float().repeat_interleave(32, 1)).numpy()
+    assert np.array_equal(values, blocks.dequantize("Q4_0", blocks.pack_q4_0(q, d), 64))
+    q2, d2 = grids.q4_0_blocks(codes, scale, zp, "w")
+    assert np.array_equal(q2, q) and np.array_equal(np.abs(d2), np.abs(d))
+
+
+def test_grid_scheme_validation():
+    assert resolve_scheme("Q4_0", {}).short() == "ggml q4_0"
+    with pytest.raises(ValueError, match="group 32"):
+        QuantScheme(num_bits=4, symmetric=False, group_size=64, grid="q4_0")
+    with pytest.raises(ValueError, match="fp16"):
+        QuantScheme(**{**PRESETS["Q8_0"], "scale_dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="actorder"):
+        QuantScheme(**PRESETS["Q4_0"], actorder="static")
+    with pytest.raises(CheckpointError, match="not all exact in float16"):
+        grids.fp16_scale(torch.tensor([[1e-8]], dtype=torch.float32), "w")
+
+
+# --- llama.cpp's tensor types ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,shape,ftype,tied,expected", [
+    ("blk.0.ffn_down.weight", (576, 1536), "Q4_0", True, "Q4_0"),
+    ("blk.0.attn_norm.weight", (576,), "Q4_0", True, "F32"),
+    ("token_embd.weight", (49152, 576), "Q4_0", True, "Q8_0"),  # Q6_K wanted, 576 % 256 != 0: fallback
+    ("token_embd.weight", (128256, 4096), "Q4_0", True, "Q6_K"),
+    ("token_embd.weight", (128256, 4096), "Q4_0", False, "Q4_0"),  # untied: the default type
+    ("output.weight", (128256, 4096), "Q4_0", False, "Q6_K"),
+    ("output.weight", (128256, 4096), "Q8_0", False, "Q8_0"),
+    ("blk.0.attn_q.weight", (40, 40), "Q4_0", False, "F16"),  # rows not a whole number of blocks
+    ("blk.0.attn_q.bias", (64,), "Q8_0", False, "F32"),
+])
+def test_tensor_types_as_llama_quantize(name, shape, ftype, tied, expected):
+    assert mixture.tensor_type(name, shape, ftype, tied) == expected
+
+
+# --- export and import on tiny models -----------------------------------------------------------
+
+def _quantize(src: Path, recipe: str, out: Path) -> Path:
+    quantize(str(src), load_recipe(recipe, SMALL), out, progress=False)
+    return out
+
+
+def _tensors(path: Path) -> dict:
+    return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def _linear_values(ckpt: Path) -> dict[str, np.ndarray]:
+    model = load(ckpt, dtype=torch.float32)
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        for hf, g in HF_TO_GGUF.items():
+            out[f"blk.{i}.{g}.weight"] = (f"{hf}.weight", layer.get_submodule(hf).dequantize(torch.float32).numpy())
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tiny_models, tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    models = dict(tiny_models)
+    models["qwen2"] = make_tiny_model("qwen2", root / "qwen2-src", tokenizer)
+    out = {}
+    for arch, src in models.items():
+        ckpt = _quantize(src, "gptq-q4_0", root / f"{arch}-q4_0")
+        out[arch] = (src, ckpt, export_gguf(ckpt, root / f"{arch}-q4_0.gguf", tokenizer_pre="default").path)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
+def test_export_holds_the_solvers_codes(gguf_models, arch):
+    src, ckpt, path = gguf_models[arch]
+    config = json.loads((ckpt / "config.json").read_text())
+    tensors = _tensors(path)
+    values = _linear_values(ckpt)
+    for gname, (hf, ours) in values.items():
+        t = tensors[gname]
+        assert t.tensor_type.name == "Q4_0"
+        theirs = gguf_dequantize(t.data, t.tensor_type)
+        order = row_order(hf, config, ours.shape[0])
+        assert np.array_equal(theirs, ours if order is None else ours[order]), gname
+    reader = gguf.GGUFReader(str(path))
+    arch_name = {"gemma3_text": "gemma3"}.get(arch, arch)
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == arch_name
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == config["vocab_size"]
+    assert int(reader.fields[f"{arch_name}.block_count"].parts[-1][0]) == config["num_hidden_layers"]
+    untied = not config.get("tie_word_embeddings", True)
+    assert ("output.weight" in tensors) == untied
+    if untied:
+        assert tensors["output.weight"].tensor_type.name == "Q8_0"  # hidden 64: Q6_K falls back
+    if arch == "gemma3_text":  # norms written as 1 + w, as llama.cpp's converter does
+        model = load(src, dtype=torch.float32)
+        w = model.model.layers[0].input_layernorm.weight.detach().numpy()
+        assert np.allclose(np.asarray(tensors["blk.0.attn_norm.weight"].data), w + 1.0)
+
+
+def test_q8_0_export_and_round_trip(gguf_models, tmp_path):
+    src = gguf_models["qwen3"][0]
+    ckpt = _quantize(src, "gptq-q8_0", tmp_path / "q8")
+    path = export_gguf(ckpt, tmp_path / "q8.gguf").path
+    tensors = _tensors(path)
+    for gname, (_, ours) in _linear_values(ckpt).items():
+        assert tensors[gname].tensor_type.name == "Q8_0"
+        assert np.array_equal(gguf_dequantize(tensors[gname].data, tensors[gname].tensor_type), ours)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_import_keeps_q4_0_exact_and_exports_back_byte_for_byte(gguf_models, tmp_path, arch):
+    from quantkit.models.gguf import convert_gguf
+
+    _, ckpt, path = gguf_models[arch]
+    back = convert_gguf(path, tmp_path / "imported")
+    config = json.loads((back / "config.json").read_text())
+    groups = {g["weights"]["num_bits"]: g for g in config["quantization_config"]["config_groups"].values()}
+    weights = groups[4]["weights"]
+    assert weights["group_size"] == 32 and weights["scale_dtype"] == "torch.float16" and not weights["symmetric"]
+    if arch == "qwen3":  # the untied output matrix, Q8_0 in the file, stays Q8_0
+        assert groups[8]["targets"] == ["lm_head"] and groups[8]["weights"]["group_size"] == 32
+    tensors = _tensors(path)
+    for gname, (hf, ours) in _linear_values(back).items():
+        theirs = gguf_dequantize(tensors[gname].data, tensors[gname].tensor_type)
+        order = row_order(hf, config, ours.shape[0])
+        assert np.array_equal(ours if order is None else ours[order], theirs), gname
+    again = export_gguf(back, tmp_path / "again.gguf", tokenizer_pre="default").path
+    for gname, t in _tensors(again).items():
+        if gname in _linear_values(ckpt):
+            assert np.array_equal(np.asarray(t.data), np.asarray(tensors[gname].data)), gname
+
+
+def test_gguf_file_is_a_model_argument(gguf_models, tmp_path, monkeypatch):
+    from quantkit.models.resolve import resolve_model
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    path = gguf_models["qwen3"][2]
+    ckpt = resolve_model(str(path))
+    assert (ckpt / "config.json").is_file() and resolve_model(str(path)) == ckpt  # converted once
+    model = load(ckpt, dtype=torch.float32)
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "PackedIntLinear"
+
+
+def test_export_refusals(gguf_models, tiny_models, tmp_path):
+    _, ckpt, path = gguf_models["qwen3"]
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        export_gguf(ckpt, path)
+    with pytest.raises(CheckpointError, match=r"\.gguf"):
+        export_gguf(ckpt, tmp_path / "model.bin")
+    with pytest.raises(CheckpointError, match="--type"):
+        export_gguf(tiny_models["qwen3"], tmp_path / "f.gguf")  # float checkpoint, no type given
+    g128 = tmp_path / "g128"
+    quantize(str(tiny_models["qwen3"]), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=64"]), g128,
+             progress=False)
+    with pytest.raises(CheckpointError, match="gptq-q4_0"):
+        export_gguf(g128, tmp_path / "g128.gguf")
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*tmp*"))  # nothing left behind
+
+
+def test_float_checkpoint_rounded_to_nearest(tiny_models, tmp_path):
+    summary = export_gguf(tiny_models["llama"], tmp_path / "f.gguf", "q8_0", tokenizer_pre="default")
+    assert summary.exact == 0 and summary.types["Q8_0"] == len(summary.nearest) > 0
+    model = load(tiny_models["llama"], dtype=torch.float32)
+    w = model.model.layers[1].mlp.down_proj.weight.detach()
+    t = _tensors(summary.path)["blk.1.ffn_down.weight"]
+    back = torch.from_numpy(gguf_dequantize(t.data, t.tensor_type))
+    assert 10 * torch.log10(w.pow(2).sum() / (w - back).pow(2).sum()) > 35  # 8-bit nearest
+
+
+# --- llama.cpp itself ---------------------------------------------------------------------------
+
+def _llama_perplexity(path: Path, text: Path, log: Path) -> float:
+    tool = LLAMACPP / "bin" / "llama-perplexity"
+    with open(log, "w") as f:  # through a pipe llama.cpp's log thread may lose its last lines at exit
+        proc = subprocess.run([str(tool), "-m", str(path), "-f", str(text), "-c", "64", "--chunks", "2", "-t", "2",
+                               "-b", "64"], stdout=f, stderr=subprocess.STDOUT, timeout=300)
+    out = log.read_text(errors="replace")
+    assert proc.returncode == 0, out[-3000:]
+    assert "Final estimate: PPL" in out, out[-3000:]
+    return float(out.rsplit("Final estimate: PPL =", 1)[1].split()[0])
+
+
+@pytest.mark.skipif(not (LLAMACPP / "bin" / "llama-perplexity").is_file(),
+                    reason="llama.cpp's tools are not built (bash ../shared/tools/build-llamacpp.sh)")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
+def test_llama_cpp_loads_and_scores(gguf_models, tmp_path, arch):
+    text = tmp_path / "text.txt"
+    text.write_text(Path(__file__).resolve().parents[1].joinpath("calibration_data", "prideprejudice.txt")
+                    .read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    ppl = _llama_perplexity(gguf_models[arch][2], text, tmp_path / "ppl.log")
+    assert np.isfinite(ppl) and 1.0 < ppl < 5 * 512  # a random tiny model: near its vocabulary size
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (LLAMACPP / "src" / "convert_hf_to_gguf.py").is_file(),
+                    reason="llama.cpp's converter is not unpacked (bash ../shared/tools/build-llamacpp.sh)")
+def test_metadata_as_llama_cpp_converter_writes_it(tmp_path):
+    """SmolLM2: every key/value llama.cpp's convert_hf_to_gguf.py writes (tokenizer included), but the
+    name fields and the file type, is in quantkit's file with the same value."""
+    import sys
+
+    from quantkit.models.resolve import resolve_model
+
+    try:
+        src = resolve_model("smollm2-135m")
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"demo model not fetched: {exc}")
+    ref = tmp_path / "ref.gguf"
+    subprocess.run([sys.executable, str(LLAMACPP / "src" / "convert_hf_to_gguf.py"), str(src), "--outtype", "f16",
+                    "--outfile", str(ref)], check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    ours = export_gguf(src, tmp_path / "ours.gguf", "q8_0").path
+
+    def fields(p):
+        r = gguf.GGUFReader(str(p))
+        return {k: [bytes(f.parts[i]) for i in f.data] for k, f in r.fields.items()
+                if not k.startswith("GGUF.") and k not in ("general.name", "general.basename", "general.size_label",
+                                                           "general.file_type")}
+
+    theirs, mine = fields(ref), fields(ours)
+    assert set(theirs) - set(mine) == set()
+    for key, value in theirs.items():
+        assert mine[key] == value, key
+    shutil.rmtree(tmp_path, ignore_errors=True)
