@@ -75,6 +75,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=40, help="emma.txt windows scored (llama-perplexity --chunks)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--recipes", default="gptq-q4_0,awq-q4_0,gptq-q8_0")
+    ap.add_argument("--reuse-llamacpp", action="store_true",
+                    help="keep llama.cpp's files (and their times) from an earlier run in --work; all are scored again")
     args = ap.parse_args()
     from quantkit.models.resolve import resolve_model
 
@@ -92,6 +94,19 @@ def main() -> None:
     calib = w / "calibration.txt"
     calibration_text(model, calib)
     times, files = {}, {}
+    saved = w / "llamacpp-times.json"
+    if args.reuse_llamacpp and saved.is_file():
+        times = json.loads(saved.read_text())
+        files = {name: w / f"llamacpp-{name.split()[1]}{'-imatrix' if 'imatrix' in name else ''}.gguf"
+                 for name in times if name.startswith("llama.cpp ")}
+    else:
+        _llamacpp(L, f16, calib, w, times, files)
+        saved.write_text(json.dumps(times, indent=2))
+    _quantkit(args, model, w, times, files)
+    _report(args, L, f16, w, times, files)
+
+
+def _llamacpp(L: Path, f16: Path, calib: Path, w: Path, times: dict, files: dict) -> None:
     times["llama-imatrix"] = run([str(L / "llama-imatrix"), "-m", str(f16), "-f", str(calib), "-c", "512",
                                   "--chunks", "64", "-t", str(os.cpu_count()), "-o", str(w / "imatrix.gguf")],
                                  w / "imatrix.log")
@@ -105,6 +120,9 @@ def main() -> None:
                   [str(f16), str(out), kind, str(os.cpu_count())]
             times[name] = run(cmd, w / f"{out.stem}.log") + (times["llama-imatrix"] if imatrix else 0.0)
             files[name] = out
+
+
+def _quantkit(args, model: Path, w: Path, times: dict, files: dict) -> None:
     for recipe in args.recipes.split(","):
         ckpt = w / f"quantkit-{recipe}"
         t = run([sys.executable, "-m", "quantkit", "quantize", str(model), "--recipe", recipe, "-o", str(ckpt),
@@ -114,6 +132,9 @@ def main() -> None:
                  w / f"{recipe}-export.log")
         times[f"quantkit {recipe}"] = t
         files[f"quantkit {recipe}"] = out
+
+
+def _report(args, L: Path, f16: Path, w: Path, times: dict, files: dict) -> None:
     base = w / "f16.logits"
     run([str(L / "llama-perplexity"), "-m", str(f16), "-f", str(EMMA), "-c", str(args.ctx), "--chunks",
          str(args.chunks), "-t", str(os.cpu_count()), "--kl-divergence-base", str(base)], w / "f16-ppl.log")
