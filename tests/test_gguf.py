@@ -309,6 +309,26 @@ def test_export_refusals(gguf_models, tiny_models, tmp_path):
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*tmp*"))  # nothing left behind
 
 
+def test_interrupted_export_leaves_the_old_file(gguf_models, tmp_path, monkeypatch):
+    _, ckpt, path = gguf_models["llama"]
+    out = tmp_path / "m.gguf"
+    shutil.copy(path, out)
+    before = out.read_bytes()
+    calls = {"n": 0}
+    real = blocks.pack_q4_0
+
+    def failing(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt  # Ctrl-C half way through the tensors
+        return real(*a, **k)
+
+    monkeypatch.setattr(blocks, "pack_q4_0", failing)
+    with pytest.raises(KeyboardInterrupt):
+        export_gguf(ckpt, out, overwrite=True, tokenizer_pre="default")
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
 def test_float_checkpoint_rounded_to_nearest(tiny_models, tmp_path):
     summary = export_gguf(tiny_models["llama"], tmp_path / "f.gguf", "q8_0", tokenizer_pre="default")
     assert summary.exact == 0 and summary.types["Q8_0"] == len(summary.nearest) > 0

@@ -145,7 +145,7 @@ def export_gguf(checkpoint: Path, out: Path, file_type: Optional[str] = None, ov
 def _check_output(out: Path, overwrite: bool, source: Path) -> None:
     if out.suffix != ".gguf":
         raise CheckpointError(f"output {str(out)!r}: a GGUF file name ends in .gguf")
-    if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents and out.is_dir():
+    if out.resolve() == source.resolve():
         raise CheckpointError(f"output {str(out)!r} would replace the source checkpoint")
     if out.exists() or out.is_symlink():
         if not overwrite:
