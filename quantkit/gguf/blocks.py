@@ -25,48 +25,51 @@ def _blocks(rows: int, cols: int) -> int:
     return cols // BLOCK
 
 
+def _with_scales(kind: str, d: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """[rows, blocks, bytes] output with each 32-block's fp16 d in its first two bytes."""
+    n = _blocks(rows, cols)
+    out = np.empty((rows, n, TYPE_BYTES[kind]), dtype=np.uint8)
+    out[:, :, :2] = np.ascontiguousarray(d, dtype="<f2").reshape(rows, n, 1).view(np.uint8)
+    return out
+
+
+def _split(kind: str, raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d float16 [rows, blocks], the blocks' remaining bytes [rows, blocks, bytes - 2]) of 32-blocks."""
+    rows = raw.shape[0]
+    n = _blocks(rows, cols)
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, n, TYPE_BYTES[kind])
+    return np.ascontiguousarray(b[:, :, :2]).view("<f2").reshape(rows, n), b[:, :, 2:]
+
+
 def pack_q8_0(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
     """codes int8 [rows, cols], d float16 [rows, cols / 32] -> uint8 [rows, cols / 32 * 34]."""
     rows, cols = codes.shape
-    n = _blocks(rows, cols)
-    out = np.empty((rows, n, TYPE_BYTES["Q8_0"]), dtype=np.uint8)
-    out[:, :, :2] = np.ascontiguousarray(d, dtype="<f2").reshape(rows, n, 1).view(np.uint8)
-    out[:, :, 2:] = np.ascontiguousarray(codes, dtype=np.int8).reshape(rows, n, BLOCK).view(np.uint8)
+    out = _with_scales("Q8_0", d, rows, cols)
+    out[:, :, 2:] = np.ascontiguousarray(codes, dtype=np.int8).reshape(rows, cols // BLOCK, BLOCK).view(np.uint8)
     return out.reshape(rows, -1)
 
 
 def unpack_q8_0(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """The inverse of `pack_q8_0`: (codes int8 [rows, cols], d float16 [rows, cols / 32])."""
-    rows = raw.shape[0]
-    n = _blocks(rows, cols)
-    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, n, TYPE_BYTES["Q8_0"])
-    d = np.ascontiguousarray(b[:, :, :2]).view("<f2").reshape(rows, n)
-    codes = np.ascontiguousarray(b[:, :, 2:]).view(np.int8).reshape(rows, cols)
-    return codes, d
+    d, payload = _split("Q8_0", raw, cols)
+    return np.ascontiguousarray(payload).view(np.int8).reshape(raw.shape[0], cols), d
 
 
 def pack_q4_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
     """q uint8 in 0..15 [rows, cols], d float16 [rows, cols / 32] -> uint8 [rows, cols / 32 * 18]."""
     rows, cols = q.shape
-    n = _blocks(rows, cols)
     if q.size and (q.min() < 0 or q.max() > 15):
         raise ValueError("Q4_0 codes must lie in 0..15")
-    g = q.astype(np.uint8).reshape(rows, n, BLOCK)
-    out = np.empty((rows, n, TYPE_BYTES["Q4_0"]), dtype=np.uint8)
-    out[:, :, :2] = np.ascontiguousarray(d, dtype="<f2").reshape(rows, n, 1).view(np.uint8)
+    out = _with_scales("Q4_0", d, rows, cols)
+    g = q.astype(np.uint8).reshape(rows, cols // BLOCK, BLOCK)
     out[:, :, 2:] = g[:, :, : BLOCK // 2] | (g[:, :, BLOCK // 2 :] << 4)
     return out.reshape(rows, -1)
 
 
 def unpack_q4_0(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """The inverse of `pack_q4_0`: (q uint8 in 0..15 [rows, cols], d float16 [rows, cols / 32])."""
-    rows = raw.shape[0]
-    n = _blocks(rows, cols)
-    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, n, TYPE_BYTES["Q4_0"])
-    d = np.ascontiguousarray(b[:, :, :2]).view("<f2").reshape(rows, n)
-    nib = b[:, :, 2:]
-    q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(rows, cols)
-    return q, d
+    d, nib = _split("Q4_0", raw, cols)
+    return np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(raw.shape[0], cols), d
 
 
 def pack_q6_k(q: np.ndarray, sub_scales: np.ndarray, d: np.ndarray) -> np.ndarray:
