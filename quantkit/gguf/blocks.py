@@ -7,7 +7,13 @@ high nibble), codes q in 0..15; x = d (q - 8) (18 bytes). Q6_K: 256 weights in 1
 16, x = d s_j (q - 32) with q in 0..63, int8 sub-scales s_j and one fp16 d; bytes: 128 of low nibbles
 (in each half of 128 weights, byte b holds weight b low and weight b + 64 high), 64 of high bit pairs
 (byte b of a half holds weights b, b + 32, b + 64, b + 96 at bits 0, 2, 4, 6), 16 sub-scales, d
-(210 bytes). Little-endian, as ggml writes them.
+(210 bytes). Q5_0: fp16 d, 4 bytes of fifth bits (bit j of a little-endian uint32 for weight j), 16
+bytes of nibbles as Q4_0; x = d (q - 16), q in 0..31 (22 bytes). Q4_K: 256 weights in 8 sub-blocks of
+32, x = d sc_j q - dmin m_j with q in 0..15 and 6-bit sc_j, m_j; bytes: fp16 d, fp16 dmin, 12 bytes of
+sub-scales and sub-minimums (bytes i and 4 + i hold sc_i and m_i in their low 6 bits and the top two bits
+of sc_{4+i} / m_{4+i} in their top two; byte 8 + i holds the low nibbles of sc_{4+i} and m_{4+i}), then 128
+bytes where byte b of 32-byte chunk c holds sub-block 2c's weight b low and sub-block 2c + 1's high
+(144 bytes). Little-endian, as ggml writes them.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import numpy as np
 
 BLOCK = 32
 SUPER = 256  # weights per K-quant super-block
-TYPE_BYTES = {"Q8_0": 2 + BLOCK, "Q4_0": 2 + BLOCK // 2, "Q6_K": SUPER // 2 + SUPER // 4 + SUPER // 16 + 2}
+TYPE_BYTES = {"Q8_0": 2 + BLOCK, "Q4_0": 2 + BLOCK // 2, "Q5_0": 2 + 4 + BLOCK // 2,
+              "Q4_K": 2 + 2 + 12 + SUPER // 2, "Q6_K": SUPER // 2 + SUPER // 4 + SUPER // 16 + 2}
 
 
 def _blocks(rows: int, cols: int) -> int:
@@ -89,6 +96,38 @@ def pack_q6_k(q: np.ndarray, sub_scales: np.ndarray, d: np.ndarray) -> np.ndarra
     out[:, :, 128:192] = qh.reshape(rows, n, 64)
     out[:, :, 192:208] = np.ascontiguousarray(sub_scales, dtype=np.int8).reshape(rows, n, 16).view(np.uint8)
     out[:, :, 208:] = np.ascontiguousarray(d, dtype="<f2").reshape(rows, n, 1).view(np.uint8)
+    return out.reshape(rows, -1)
+
+
+def pack_q5_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """q uint8 in 0..31 [rows, cols], d float16 [rows, cols / 32] -> uint8 [rows, cols / 32 * 22]."""
+    rows, cols = q.shape
+    out = _with_scales("Q5_0", d, rows, cols)
+    g = q.astype(np.uint32).reshape(rows, cols // BLOCK, BLOCK)
+    high = ((g >> 4) & 1) << np.arange(BLOCK, dtype=np.uint32)
+    out[:, :, 2:6] = high.sum(axis=-1, dtype=np.uint32).astype("<u4").reshape(rows, -1, 1).view(np.uint8)
+    lo = (g & 0x0F).astype(np.uint8)
+    out[:, :, 6:] = lo[:, :, : BLOCK // 2] | (lo[:, :, BLOCK // 2 :] << 4)
+    return out.reshape(rows, -1)
+
+
+def pack_q4_k(q: np.ndarray, sc: np.ndarray, m: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> np.ndarray:
+    """q uint8 in 0..15 [rows, cols], sc / m uint8 in 0..63 [rows, cols / 32], d / dmin float16
+    [rows, cols / 256] -> uint8 [rows, cols / 256 * 144]."""
+    rows, cols = q.shape
+    if cols % SUPER:
+        raise ValueError(f"a row of {cols} weights is not a whole number of {SUPER}-weight super-blocks")
+    n = cols // SUPER
+    out = np.empty((rows, n, TYPE_BYTES["Q4_K"]), dtype=np.uint8)
+    out[:, :, 0:2] = np.ascontiguousarray(d, dtype="<f2").reshape(rows, n, 1).view(np.uint8)
+    out[:, :, 2:4] = np.ascontiguousarray(dmin, dtype="<f2").reshape(rows, n, 1).view(np.uint8)
+    sc = sc.astype(np.uint8).reshape(rows, n, 8)
+    m = m.astype(np.uint8).reshape(rows, n, 8)
+    out[:, :, 4:8] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    out[:, :, 8:12] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    out[:, :, 12:16] = (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)
+    g = q.astype(np.uint8).reshape(rows, n, 4, 2, 32)  # chunk, (low, high) sub-block, weight
+    out[:, :, 16:] = (g[:, :, :, 0] | (g[:, :, :, 1] << 4)).reshape(rows, n, 128)
     return out.reshape(rows, -1)
 
 

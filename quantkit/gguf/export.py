@@ -81,7 +81,7 @@ def infer_file_type(config: dict, schemes: dict[str, QuantScheme]) -> str:
     if len(kinds) == 1 and None not in kinds:
         return kinds.pop()
     if not schemes:
-        raise CheckpointError("a float checkpoint: give the GGUF type to round it to (--type q8_0, q4_0 or f16)")
+        raise CheckpointError("a float checkpoint: give the GGUF type to round it to (--type q8_0, q4_0, q4_k_m or f16)")
     shown = sorted({s.short() for s in schemes.values()})
     raise CheckpointError(f"the checkpoint's weights ({', '.join(shown)}) are not on one GGUF grid: GGUF holds Q4_0 "
                           "(int4 group 32) and Q8_0 (int8 symmetric group 32) with fp16 scales; quantize with "
@@ -210,7 +210,7 @@ def _codes(tensors: _Tensors, module: str, scheme: QuantScheme):
 
 def _quantized(tensors, module, scheme, gname, ftype, tied, config):
     codes, scale, zp = _codes(tensors, module, scheme)
-    want = mixture.tensor_type(gname, tuple(codes.shape), ftype, tied)
+    want = mixture.tensor_type(gname, tuple(codes.shape), ftype, tied, config["num_hidden_layers"])
     have = grids.ggml_type_of(scheme)
     if have != want:
         raise CheckpointError(f"{module} ({gname}) is stored as {scheme.short()}, but GGUF file type {ftype} puts "
@@ -232,13 +232,17 @@ def _rows(data: np.ndarray, hf_name: str, config: dict) -> np.ndarray:
 
 def _float(tensor: torch.Tensor, hf_name, gname, ftype, tied, config, ckpt):
     tensor = metadata.float_transform(hf_name, config, tensor, ckpt)
-    kind = mixture.tensor_type(gname, tuple(tensor.shape), ftype, tied)
+    kind = mixture.tensor_type(gname, tuple(tensor.shape), ftype, tied, config["num_hidden_layers"])
     if kind == "F32":
         data = tensor.float().numpy()
     elif kind == "F16":
         data = tensor.to(torch.float16).numpy()
     elif kind == "Q6_K":
         data = blocks.pack_q6_k(*grids.nearest_q6_k(tensor))
+    elif kind == "Q4_K":
+        data = blocks.pack_q4_k(*grids.nearest_q4_k(tensor))
+    elif kind == "Q5_0":
+        data = blocks.pack_q5_0(*grids.nearest_q5_0(tensor))
     else:
         qw = rtn(tensor, QuantScheme(**PRESETS[kind]), torch.float16)
         if kind == "Q8_0":

@@ -91,3 +91,42 @@ def nearest_q6_k(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q = torch.where(step == 0, torch.zeros_like(q), q)
     return ((q + 32).to(torch.uint8).reshape(rows, cols).numpy(), sc.to(torch.int8).reshape(rows, -1).numpy(),
             d.numpy())
+
+
+def nearest_q5_0(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Round-to-nearest onto Q5_0 (ggml's rule: d = the block's signed extreme / -16). Returns (q 0..31, d)."""
+    rows, cols = w.shape
+    x = w.float().reshape(rows, cols // GROUP, GROUP)
+    extreme = torch.gather(x, -1, x.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    d = (extreme / -16.0).to(torch.float16)
+    d32 = d.float().unsqueeze(-1)
+    safe = torch.where(d32 == 0, torch.ones_like(d32), d32)
+    q = torch.where(d32 == 0, torch.zeros_like(x), torch.round(x / safe)).clamp(-16, 15) + 16
+    return q.to(torch.uint8).reshape(rows, cols).numpy(), d.numpy()
+
+
+def nearest_q4_k(w: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """Round-to-nearest onto Q4_K: each 32-weight sub-block's min/max range (widened to hold 0) gives a
+    scale (max - min) / 15 and a minimum -min; d, dmin = their largest / 63 (fp16); sub-scales and
+    sub-minimums round to 6 bits against them; codes round against d sc_j with offset dmin m_j.
+    Returns (q 0..15, sc, m, d, dmin)."""
+    rows, cols = w.shape
+    x = w.float().reshape(rows, cols // 256, 8, 32)
+    lo = x.amin(dim=-1).clamp(max=0.0)
+    hi = x.amax(dim=-1).clamp(min=0.0)
+    scale, mins = (hi - lo) / 15.0, -lo  # [rows, supers, 8]
+    d = (scale.amax(dim=-1) / 63.0).to(torch.float16)
+    dmin = (mins.amax(dim=-1) / 63.0).to(torch.float16)
+
+    def six_bits(v, ref):
+        r = ref.float().unsqueeze(-1)
+        return torch.where(r == 0, torch.zeros_like(v), torch.round(v / torch.where(r == 0, torch.ones_like(r), r)))\
+            .clamp(0, 63)
+
+    sc, m = six_bits(scale, d), six_bits(mins, dmin)
+    step = (d.float().unsqueeze(-1) * sc).unsqueeze(-1)
+    offset = (dmin.float().unsqueeze(-1) * m).unsqueeze(-1)
+    q = torch.where(step == 0, torch.zeros_like(x), torch.round((x + offset) / torch.where(step == 0, 1.0, step)))
+    q = q.clamp(0, 15)
+    return (q.to(torch.uint8).reshape(rows, cols).numpy(), sc.to(torch.uint8).reshape(rows, -1).numpy(),
+            m.to(torch.uint8).reshape(rows, -1).numpy(), d.numpy(), dmin.numpy())
