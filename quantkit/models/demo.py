@@ -69,7 +69,9 @@ def fetch(name: str, force: bool = False) -> Path:
         from quantkit.models.gguf import convert_gguf
 
         _mark_as_cache(out, name)
-        convert_gguf(gguf, out, overwrite=True)
+        # a demo model is the float original that recipes start from: its Q8_0 / Q4_0 linears (Gemma's file
+        # has Q8_0 ones) are dequantized like the rest, not kept quantized
+        convert_gguf(gguf, out, overwrite=True, keep=False)
     return out
 
 
