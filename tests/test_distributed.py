@@ -151,21 +151,28 @@ def test_two_rank_runs_repeat_bit_for_bit_and_nproc_launches_them(tiny_llama, tw
     assert (first / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
-def test_a_killed_rank_fails_the_run_fast_and_is_named(tiny_llama, tmp_path):
-    out = tmp_path / "k"
-    script = f"""
-import os, signal, sys
+def _rank1_script(rank1_action: str, args: list[str]) -> str:
+    """A quantize run (`args`) whose rank 1 does `rank1_action` when it reaches layer 0."""
+    return f"""
+import os, signal, sys, time
 from quantkit import pipeline
 real = pipeline.run_layer
 def run_layer(*a, **k):
     if os.environ["RANK"] == "1":
-        os.kill(os.getpid(), signal.SIGKILL)  # rank 1 dies in the middle of layer 0
+        {rank1_action}
     return real(*a, **k)
 pipeline.run_layer = run_layer
-sys.argv = ["quantkit"] + {quantize_args(tiny_llama, "gptq", out, "--dist-timeout", "60")!r}
+sys.argv = ["quantkit"] + {args!r}
 from quantkit.cli import run
 run()
 """
+
+
+def test_a_killed_rank_fails_the_run_fast_and_is_named(tiny_llama, tmp_path):
+    out = tmp_path / "k"
+    # rank 1 dies in the middle of layer 0
+    script = _rank1_script("os.kill(os.getpid(), signal.SIGKILL)",
+                           quantize_args(tiny_llama, "gptq", out, "--dist-timeout", "60"))
     start = time.perf_counter()
     res = torchrun(2, [], timeout=300, script=script)
     assert res.returncode != 0
@@ -185,19 +192,8 @@ def test_distributed_refuses_resume(tiny_llama, tmp_path, monkeypatch):
 
 def test_a_hanging_rank_times_out_and_is_named(tiny_llama, tmp_path):
     out = tmp_path / "h"
-    script = f"""
-import os, sys, time
-from quantkit import pipeline
-real = pipeline.run_layer
-def run_layer(*a, **k):
-    if os.environ["RANK"] == "1":
-        time.sleep(600)  # rank 1 hangs after layer 0's collectives
-    return real(*a, **k)
-pipeline.run_layer = run_layer
-sys.argv = ["quantkit"] + {quantize_args(tiny_llama, "gptq", out, "--dist-timeout", "10")!r}
-from quantkit.cli import run
-run()
-"""
+    # rank 1 hangs after layer 0's collectives
+    script = _rank1_script("time.sleep(600)", quantize_args(tiny_llama, "gptq", out, "--dist-timeout", "10"))
     start = time.perf_counter()
     res = torchrun(2, [], timeout=300, script=script)
     assert res.returncode != 0 and time.perf_counter() - start < 120

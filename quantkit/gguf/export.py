@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from quantkit.errors import CheckpointError, OutputExistsError
-from quantkit.formats.checkpoint import read_config, weight_files
+from quantkit.formats.checkpoint import read_config
 from quantkit.formats.compressed_tensors import parse_quantization_config
+from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.gguf import blocks, grids, metadata, mixture
 from quantkit.quant.intq import rtn
 from quantkit.quant.packing import unpack_int32
@@ -50,31 +51,6 @@ class ExportSummary:
                 f"{self.exact} calibrated tensors as quantized, {len(self.nearest)} rounded to nearest here")
 
 
-def _open(ckpt: Path) -> dict[str, tuple[Path, str]]:
-    from safetensors import safe_open
-
-    where = {}
-    for file in weight_files(ckpt):
-        with safe_open(file, "pt") as f:
-            for key in f.keys():
-                where[key] = (file, key)
-    return where
-
-
-class _Tensors:
-    """The checkpoint's tensors by name, read one at a time (safetensors)."""
-
-    def __init__(self, ckpt: Path):
-        self.where = _open(ckpt)
-
-    def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        file, key = self.where[name]
-        with safe_open(file, "pt") as f:
-            return f.get_tensor(key)
-
-
 def infer_file_type(config: dict, schemes: dict[str, QuantScheme]) -> str:
     """The file type a quantized checkpoint's linears are stored in exactly."""
     kinds = {grids.ggml_type_of(s) for s in schemes.values()}
@@ -98,8 +74,8 @@ def export_gguf(checkpoint: Path, out: Path, file_type: Optional[str] = None, ov
     model_type = config.get("model_type", "?")
     metadata.gguf_arch(model_type)  # refuses other architectures before any work
     _check_output(out, overwrite, ckpt)
-    tensors = _Tensors(ckpt)
-    schemes = _linear_schemes(config, tensors.where)
+    tensors = LazyCheckpoint(ckpt)  # one tensor read at a time
+    schemes = _linear_schemes(config, tensors)
     body = {m: s for m, s in schemes.items() if not m.endswith("lm_head")}  # the output matrix has its own type
     ftype = (file_type or "").upper() or infer_file_type(config, body)
     if ftype not in mixture.FILE_TYPES:
@@ -112,7 +88,7 @@ def export_gguf(checkpoint: Path, out: Path, file_type: Optional[str] = None, ov
     try:
         metadata.write_hparams(writer, config, int(getattr(gguf.LlamaFileType, mixture.FILE_TYPES[ftype])), ckpt.name)
         metadata.write_tokenizer(writer, ckpt, config, tokenizer_pre, notify)
-        for hf_name in _tensor_names(tensors.where, schemes):
+        for hf_name in _tensor_names(tensors, schemes):
             gname = name_of(hf_name)
             if gname is None:
                 if hf_name.endswith("rotary_emb.inv_freq"):
@@ -157,7 +133,7 @@ def _check_output(out: Path, overwrite: bool, source: Path) -> None:
         raise CheckpointError(f"output directory {str(out.parent)!r} does not exist")
 
 
-def _linear_schemes(config: dict, where: dict) -> dict[str, QuantScheme]:
+def _linear_schemes(config: dict, where: LazyCheckpoint) -> dict[str, QuantScheme]:
     """module name -> scheme of every quantized linear in the checkpoint."""
     qc = config.get("quantization_config")
     if not qc:
@@ -167,7 +143,7 @@ def _linear_schemes(config: dict, where: dict) -> dict[str, QuantScheme]:
         log.info("KV-cache scales are not carried into GGUF (llama.cpp calibrates no KV cache)")
     probe = nn.Linear(1, 1, device="meta")
     out = {}
-    for key in where:
+    for key in where.keys():
         if key.endswith(".weight_packed") or (key.endswith(".weight") and key[: -len(".weight")] + ".weight_scale" in where):
             module = key.rsplit(".", 1)[0]
             group = plan.lookup(module, probe)
@@ -180,10 +156,10 @@ def _linear_schemes(config: dict, where: dict) -> dict[str, QuantScheme]:
     return out
 
 
-def _tensor_names(where: dict, schemes: dict) -> list[str]:
+def _tensor_names(where: LazyCheckpoint, schemes: dict) -> list[str]:
     """The weights to write, in the checkpoint's sorted order (as llama.cpp's converter reads them)."""
     names = []
-    for key in sorted(where):
+    for key in sorted(where.keys()):
         module = key.rsplit(".", 1)[0]
         if module in schemes:
             if key.endswith(".weight_packed") or (key.endswith(".weight") and schemes[module].num_bits == 8
@@ -194,9 +170,9 @@ def _tensor_names(where: dict, schemes: dict) -> list[str]:
     return names
 
 
-def _codes(tensors: _Tensors, module: str, scheme: QuantScheme):
+def _codes(tensors: LazyCheckpoint, module: str, scheme: QuantScheme):
     scale = tensors.get(module + ".weight_scale")
-    if module + ".weight_packed" in tensors.where:
+    if module + ".weight_packed" in tensors:
         rows, cols = (int(v) for v in tensors.get(module + ".weight_shape"))
         codes = unpack_int32(tensors.get(module + ".weight_packed"), scheme.num_bits, cols, dim=1)
     else:

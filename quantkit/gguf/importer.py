@@ -7,8 +7,6 @@ says which went which way)."""
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch import nn
@@ -35,15 +33,13 @@ def quantized_weight(kind: str, raw: np.ndarray, cols: int) -> QuantizedWeight:
     return QuantizedWeight(codes, scale, zp, Q4_0_ASYM)
 
 
-def keep_quantized(model: nn.Module, gguf_file: Path) -> tuple[dict, Counter]:
-    """Swap the model's linears stored as Q8_0 / Q4_0 in `gguf_file` for packed int modules. Returns the
-    quantized modules (name -> (format, scheme)) for the checkpoint's config, and tensors by how they went."""
-    import gguf
-
+def keep_quantized(model: nn.Module, reader) -> tuple[dict, Counter]:
+    """Swap the model's linears stored as Q8_0 / Q4_0 in the GGUF file (`reader`, a gguf.GGUFReader) for
+    packed int modules. Returns the quantized modules (name -> (format, scheme)) for the checkpoint's config,
+    and tensors by how they went."""
     from quantkit.registry import FORMATS
     from quantkit.runtime.qlinear import PackedIntLinear
 
-    reader = gguf.GGUFReader(str(gguf_file))
     tensors = {t.name: t for t in reader.tensors}
     config = model.config.to_dict()
     namer = metadata.tensor_namer(config["model_type"], config["num_hidden_layers"])

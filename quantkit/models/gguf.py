@@ -35,12 +35,13 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
         raise CheckpointError(f"GGUF file {str(gguf_file)!r} does not exist")
     check_output_free(Path(out), overwrite, protect=[gguf_file])
     try:
-        import gguf  # noqa: F401
+        import gguf
     except ImportError:
         raise CheckpointError("GGUF conversion needs the 'gguf' package: pip install 'quantkit[gguf]'") from None
     try:
+        reader = gguf.GGUFReader(str(gguf_file))  # its key/values and tensors, read (memory-mapped) once here
         config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-        _head_dim_from_file(config, gguf_file)
+        _head_dim_from_file(config, reader)
         loaded, info = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, config=config,
                                                             dtype=torch.float32, output_loading_info=True)
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
@@ -64,7 +65,7 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
     if keep:
         from quantkit.gguf.importer import keep_quantized
 
-        quantized, how = keep_quantized(model, gguf_file)
+        quantized, how = keep_quantized(model, reader)
         notify(f"{gguf_file.name}: linears " + ", ".join(f"{k}: {v}" for k, v in sorted(how.items())))
     with _tokenizer_dir(tokenizer) as tok_dir:
         model.generation_config.save_pretrained(tok_dir)
@@ -80,12 +81,9 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
     return Path(out)
 
 
-def _head_dim_from_file(config, gguf_file: Path) -> None:
+def _head_dim_from_file(config, reader) -> None:
     """transformers' GGUF config mapping drops `attention.key_length` for some architectures (qwen3 then
-    takes its default head_dim 128): set it from the file."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_file))
+    takes its default head_dim 128): set it from the file (a gguf.GGUFReader)."""
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     field = reader.fields.get(f"{arch}.attention.key_length")
     if field is not None and hasattr(config, "head_dim"):
