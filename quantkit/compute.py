@@ -3,7 +3,10 @@
 A 16-bit dtype is chosen only where the device has it in hardware: CUDA devices with bf16 (fp16
 on those without), CPUs whose torch build reports avx512_bf16 or AMX tiles, and, on CPUs torch
 cannot tell about (not x86), a short matmul probe whose result is cached per machine. Otherwise
-float32: on an AVX2-only CPU a bf16 matmul is emulated and ~100x slower than float32.
+float32: on an AVX2-only CPU a bf16 matmul is emulated and ~100x slower than float32. Where the CPU
+has the features but the environment keeps torch from them (`ATEN_CPU_CAPABILITY=avx2`, or
+`ONEDNN_MAX_CPU_ISA` below bf16: oneDNN then runs a bf16 GEMM ~100x slower, as on an AVX2 CPU),
+the probe decides too; that is also how an AVX2 machine is imitated on an AVX-512 one.
 
 The choice never loses weight precision: a 16-bit compute dtype is taken only for a checkpoint
 stored in a dtype it holds exactly (bf16 -> float32 is exact, float32 -> bf16 is not), so a
@@ -56,6 +59,27 @@ class CpuFeatures:
     avx512_bf16: bool = False
     amx_tile: bool = False
     amx_fp16: bool = False
+    limited_by: str = ""  # the environment that keeps torch below the CPU's features, in words ("" if none)
+
+
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) under which it still has bf16 GEMM kernels
+_ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+                     "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512",
+                     "AVX10_2_512_AMX_2", "ALL", "DEFAULT")
+
+
+def _environment_limits(capability: str) -> str:
+    """What in the environment holds torch below the CPU's bf16 features, in words ("" if nothing)."""
+    limits = []
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = os.environ.get(var, "").strip()
+        if value and value.upper() not in _ONEDNN_BF16_ISAS:
+            limits.append(f"{var}={value}")
+    if not capability.startswith("AVX512"):
+        limits.append(f"torch dispatches {capability}"
+                      + (f" (ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']})"
+                         if os.environ.get("ATEN_CPU_CAPABILITY") else ""))
+    return ", ".join(limits)
 
 
 @functools.cache
@@ -69,12 +93,15 @@ def cpu_features() -> CpuFeatures:
         except Exception:  # an old or unusual build: unknown counts as absent
             return False
 
+    capability = torch.backends.cpu.get_cpu_capability()
+    avx512_bf16, amx_tile = flag("_is_avx512_bf16_supported"), flag("_is_amx_tile_supported")
     return CpuFeatures(
-        capability=torch.backends.cpu.get_cpu_capability(),
+        capability=capability,
         x86=platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"),
-        avx512_bf16=flag("_is_avx512_bf16_supported"),
-        amx_tile=flag("_is_amx_tile_supported"),
+        avx512_bf16=avx512_bf16,
+        amx_tile=amx_tile,
         amx_fp16=flag("_is_amx_fp16_supported"),
+        limited_by=_environment_limits(capability) if (avx512_bf16 or amx_tile) else "",
     )
 
 
@@ -123,6 +150,10 @@ def fast_16bit(device: Union[str, torch.device], features: Optional[CpuFeatures]
     f = features or cpu_features()
     if f.avx512_bf16 or f.amx_tile:
         which = " and ".join(n for n, ok in (("avx512_bf16", f.avx512_bf16), ("AMX", f.amx_tile)) if ok)
+        if f.limited_by:  # the CPU has them, torch may not use them: measure
+            fast = (probe or probe_bf16_cached)()
+            return ((torch.bfloat16,) if fast else ()), \
+                f"{f.capability}, {which} limited by {f.limited_by}, bf16 matmul probe: {'fast' if fast else 'slow'}"
         return ((torch.bfloat16, torch.float16) if f.amx_fp16 else (torch.bfloat16,)), f"{f.capability} with {which}, fast bf16"
     if f.x86:
         return (), f"{f.capability}, no fast bf16"
@@ -176,7 +207,9 @@ def _machine_key() -> str:
                     break
     except OSError:
         pass
-    return f"{platform.machine()}|{model}|torch {torch.__version__}"
+    limits = "".join(f"|{var}={os.environ[var]}" for var in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                              "DNNL_MAX_CPU_ISA") if os.environ.get(var))
+    return f"{platform.machine()}|{model}|torch {torch.__version__}{limits}"
 
 
 def _matmul_seconds(dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:
@@ -224,5 +257,7 @@ def machine_summary() -> str:
     flags = [n for n, ok in (("avx512_bf16", f.avx512_bf16), ("AMX", f.amx_tile), ("AMX-fp16", f.amx_fp16)) if ok]
     model = _machine_key().split("|")[1] or platform.machine()
     gpu = f"; CUDA {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    if f.limited_by:
+        flags.append(f"limited by {f.limited_by}")
     return (f"cpu {model}, capability {f.capability}" + (f" ({', '.join(flags)})" if flags else "")
             + f", torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}")

@@ -145,3 +145,41 @@ def test_quantize_records_the_choice(tiny_llama, tmp_path, monkeypatch):
     meta = json.loads((report.output / "quantkit.json").read_text())
     assert meta["compute"]["dtype"] == "float32" and meta["compute"]["source"] == "env"
     assert meta["compute"]["cpu_capability"] == compute.cpu_features().capability
+
+
+LIMITED = CpuFeatures("AVX2", x86=True, avx512_bf16=True, amx_tile=True,
+                      limited_by="ONEDNN_MAX_CPU_ISA=AVX2, torch dispatches AVX2")
+
+
+@pytest.mark.parametrize("fast, expected", [(False, torch.float32), (True, torch.bfloat16)])
+def test_features_the_environment_holds_back_are_measured(fast, expected):
+    # the CPU has avx512_bf16 and AMX but oneDNN / torch's dispatch are capped below them (how an AVX2
+    # machine is imitated on an AVX-512 one): the flags alone would choose a bf16 that runs ~100x slower
+    calls = []
+    choice = choose(torch.bfloat16, "cpu", features=LIMITED, probe=lambda: calls.append(1) or fast)
+    assert choice.dtype == expected and calls == [1]
+    assert "limited by ONEDNN_MAX_CPU_ISA=AVX2" in choice.reason and "probe" in choice.reason
+
+
+@pytest.mark.parametrize("env, capability, expected", [
+    ({}, "AVX512", ""),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, "AVX512", "ONEDNN_MAX_CPU_ISA=AVX2"),
+    ({"DNNL_MAX_CPU_ISA": "avx512_core"}, "AVX512", "DNNL_MAX_CPU_ISA=avx512_core"),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, "AVX512", ""),  # still has bf16 GEMMs
+    ({"ATEN_CPU_CAPABILITY": "avx2"}, "AVX2", "torch dispatches AVX2 (ATEN_CPU_CAPABILITY=avx2)"),
+    ({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}, "AVX2",
+     "ONEDNN_MAX_CPU_ISA=AVX2, torch dispatches AVX2 (ATEN_CPU_CAPABILITY=avx2)"),
+])
+def test_environment_limits_are_read_from_the_variables(monkeypatch, env, capability, expected):
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert compute._environment_limits(capability) == expected
+
+
+def test_the_probe_cache_keeps_limited_environments_apart(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    plain = compute._machine_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert compute._machine_key() == plain + "|ONEDNN_MAX_CPU_ISA=AVX2"
