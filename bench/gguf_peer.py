@@ -38,7 +38,7 @@ def run(cmd: list[str], log: Path) -> float:
 
 def calibration_text(model: Path, out: Path) -> None:
     """quantkit's calibration windows for the recipe, decoded (one per line)."""
-    from quantkit.arch import adapter_for
+    from quantkit.catalog import adapter_for
     from quantkit.formats.checkpoint import read_config
     from quantkit.quantize import calibration_batches
     from quantkit.recipe import load_recipe

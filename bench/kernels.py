@@ -78,7 +78,7 @@ def bench_cpu(shapes, ms, budget, dt):
     import os
 
     from quantkit.kernels import cpu_int4
-    from quantkit.runtime.qlinear import PackedIntLinear
+    from quantkit.qmodules.int_linear import PackedIntLinear
 
     d = str(dt).removeprefix("torch.")
     print(row(["model", "linear", "N x K", "M", "kernel", "us", "TFLOPS", "GB/s", f"{d} us", f"speedup vs {d}",

@@ -44,13 +44,13 @@ def main() -> None:
     from quantkit.models.resolve import resolve_model
     from quantkit.quantize import calibration_batches, quantize
     from quantkit.recipe import load_recipe
-    from quantkit.registry import ARCHITECTURES
+    from quantkit.catalog import needs_bos as family_needs_bos
     from quantkit.formats.checkpoint import read_config
 
     source = resolve_model(args.model)
     name, stage = RECIPES[args.algo]
     recipe = load_recipe(name, [f"stages.{stage}.scheme.group_size={args.group}"])
-    needs_bos = ARCHITECTURES.get(read_config(source)["model_type"]).needs_bos
+    needs_bos = family_needs_bos(read_config(source)["model_type"])
     tokens = [row.tolist() for batch in calibration_batches(source, recipe, needs_bos) for row in batch]
     print(compute.machine_summary())
     print(f"model {source.name}; {args.algo} W4A16 group {args.group}; {len(tokens)} x {len(tokens[0])} calibration "

@@ -1,6 +1,6 @@
 """quantkit: quantize LLMs (RTN, GPTQ, AWQ, FP8) into compressed-tensors checkpoints, evaluate and run them."""
 
-__version__ = "0.1.0"
+from quantkit.version import __version__
 
 __all__ = ["load", "load_tokenizer", "__version__"]
 

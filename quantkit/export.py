@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from quantkit.arch.adapter import checkpoint_namer
+from quantkit.catalog import checkpoint_namer
 from quantkit.atomic import atomic_output_dir
 from quantkit.finite import check_output
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, copy_passthrough, write_json, write_weights

@@ -30,11 +30,12 @@ from quantkit.arch.moe import all_experts_see_tokens
 from quantkit.calibration.activations import Activations
 from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, observe_layer, run_layer
 from quantkit.errors import QuantizationError
-from quantkit.formats.base import QuantFormat, format_for
+from quantkit import catalog
+from quantkit.catalog import format_for
+from quantkit.formats.base import QuantFormat
 from quantkit.memory import release_free_memory
 from quantkit.quant.intq import sqnr_db
 from quantkit.recipe import Recipe, StageSpec
-from quantkit.registry import ALGORITHMS
 from quantkit.schemes import QuantScheme
 from quantkit.targets import select_linears
 
@@ -94,7 +95,7 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
     stages, claimed = [], {}
     layers_prefix = adapter.layers_path + "."
     for i, spec in enumerate(recipe.stages):
-        algo_cls = ALGORITHMS.get(spec.algorithm)
+        algo_cls = catalog.algorithm(spec.algorithm)
         scheme = spec.scheme.resolve() if spec.scheme is not None else None
         if not algo_cls.produces_weights and scheme is not None:
             raise QuantizationError(

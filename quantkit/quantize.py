@@ -15,9 +15,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from quantkit import __version__
+from quantkit.version import __version__
 from quantkit import compute, devices, distributed
-from quantkit.arch.adapter import adapter_for
+from quantkit.catalog import adapter_for
 from quantkit.atomic import (atomic_output_dir, check_free_space, check_output_free, check_writable, clean_stale_for,
                              scratch_dir)
 from quantkit.calibration.activations import Activations, Budget
@@ -25,7 +25,7 @@ from quantkit.calibration.data import load_text, make_chunks, tokenize
 from quantkit.errors import QuantizationError
 from quantkit.export import export_checkpoint, write_model_files
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, read_config
-from quantkit.formats.compressed_tensors import build_quantization_config
+from quantkit.quantization_config import build_quantization_config
 from quantkit.models.resolve import resolve_model
 from quantkit.finite import check_source
 from quantkit.memory import PeakSampler, available_memory
@@ -78,7 +78,7 @@ def estimate_checkpoint_bytes(model: nn.Module, stages: list[Stage], storage_dty
     module holds it (an empty one is built on meta: packed words, scales, zero points, shape), every
     other tensor of the state dict in the storage dtype (non-persistent buffers, e.g. rotary tables,
     are not written; tied weights once)."""
-    from quantkit.formats.base import format_for
+    from quantkit.catalog import format_for
 
     schemes = {n: st.scheme_of(n) for st in stages if st.algorithm.produces_weights for n in st.modules}
     total, seen = 0, set()
@@ -443,7 +443,7 @@ def _report_of(result: QuantizationResult) -> dict:
 
 
 def _restored(report: dict) -> QuantizationResult:
-    from quantkit.formats.base import format_for
+    from quantkit.catalog import format_for
     from quantkit.schemes import QuantScheme
 
     result = QuantizationResult()

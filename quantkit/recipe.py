@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, PositiveInt, PrivateAttr, ValidationError
 
 from quantkit.errors import QuantkitError, RecipeError
 from quantkit.paths import RECIPES_DIR
-from quantkit.registry import ALGORITHMS
+from quantkit import catalog
 from quantkit.schemes import QuantScheme, resolve_scheme
 from quantkit.validation import StrictModel
 
@@ -153,12 +153,12 @@ def validate_recipe(raw: dict, label: str = "recipe") -> Recipe:
 
 
 def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
-    if stage.algorithm not in ALGORITHMS:
+    if stage.algorithm not in catalog.algorithm_names():
         raise RecipeError(
             f"recipe {label}: stages.{i}.algorithm: unknown algorithm {stage.algorithm!r}; "
-            f"known: {', '.join(ALGORITHMS.names())}"
+            f"known: {', '.join(catalog.algorithm_names())}"
         )
-    algo = ALGORITHMS.get(stage.algorithm)
+    algo = catalog.algorithm(stage.algorithm)
     try:
         algo.Config.model_validate(stage.args)
     except ValidationError as exc:
@@ -175,7 +175,7 @@ def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
             raise RecipeError(f"recipe {label}: stages.{i}.scheme.actorder: algorithm {stage.algorithm!r} "
                               "has no column order; drop actorder or use gptq")
         if algo.produces_weights and not algo.quantizes(scheme):
-            able = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).quantizes(scheme)]
+            able = [n for n in catalog.algorithm_names() if catalog.algorithm(n).quantizes(scheme)]
             raise RecipeError(
                 f"recipe {label}: stages.{i}: algorithm {stage.algorithm!r} does not quantize "
                 f"{'FP8' if scheme.is_fp8 else 'int'} schemes; algorithms that do: {', '.join(able)}")

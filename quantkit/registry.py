@@ -1,7 +1,8 @@
 """Explicit name -> object registries for algorithms, checkpoint formats and architecture adapters.
 
-Built-ins register in `quantkit.builtins`; third-party packages register through the
-`quantkit.plugins` entry point group (see `load_plugins`).
+A leaf: it imports no plugin. Plugins add themselves here when imported (the built-ins are imported
+by `quantkit.builtins`, which `quantkit.catalog`, the one place plugins are looked up, imports);
+third-party packages register through the `quantkit.plugins` entry point group (see `load_plugins`).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ _plugins_loaded = False
 
 
 def load_plugins() -> None:
-    """Import the built-ins, then every `quantkit.plugins` entry point, once per process.
+    """Import every `quantkit.plugins` entry point, once per process (the built-ins are already
+    registered by whoever looks things up: `quantkit.catalog` imports `quantkit.builtins`).
 
     An entry point may name a module (importing it registers things) or a callable (called with
     no arguments). A plugin that fails to import raises PluginError naming the plugin.
@@ -93,7 +95,6 @@ def load_plugins() -> None:
     if _plugins_loaded:
         return
     _plugins_loaded = True
-    import quantkit.builtins  # noqa: F401  (registers the built-in plugins)
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         label = f"plugin {ep.name!r} ({ep.value})"

@@ -53,7 +53,7 @@ def _header_sha(path: Path) -> str:
 
 def fingerprint(source: Path, recipe_yaml: str, batches: Optional[list[torch.Tensor]], settings: dict) -> dict:
     """What the run's result depends on (see the module docstring)."""
-    from quantkit import __version__
+    from quantkit.version import __version__
     from quantkit.formats.checkpoint import weight_files
 
     files = {f.name: {"bytes": f.stat().st_size, "header_sha256": _header_sha(f)} for f in weight_files(source)}

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 import quantkit
-from quantkit.arch.adapter import adapter_for
+from quantkit.catalog import adapter_for
 from quantkit.pipeline import build_stages, quantize_model
 from quantkit.recipe import load_recipe
 from quantkit.runtime.loader import checkpoint_dtype

@@ -6,7 +6,7 @@ import torch
 import quantkit
 from quantkit.algorithms.awq import AWQ, AWQConfig
 from quantkit.algorithms.base import LayerContext
-from quantkit.arch.adapter import adapter_for
+from quantkit.catalog import adapter_for
 from quantkit.calibration.capture import capture_layer_inputs
 from quantkit.errors import QuantizationError
 from quantkit.quant.awq import apply_clip, candidate_scales, clip_candidates, clip_refine, clip_search, diagonal_blocks, fake_quantize
@@ -232,7 +232,7 @@ def test_clipping_changes_only_the_unskipped_linears(tokenizer):
 @pytest.mark.parametrize("recipe", ["awq-w4a16", "awq-w4a16-asym", "awq-gptq-w4a16"])
 def test_awq_recipes_run_and_round_trip(recipe, tiny_models, tokenizer, tmp_path):
     from quantkit.export import export_checkpoint
-    from quantkit.formats.compressed_tensors import build_quantization_config
+    from quantkit.quantization_config import build_quantization_config
 
     overrides = ["stages.1.scheme.group_size=32"]
     batches = [sample_ids(tokenizer, 2, 24)]
@@ -256,7 +256,7 @@ def test_float32_compute_of_a_bf16_checkpoint_exports_the_in_memory_model(arch, 
     """An AVX2 machine computes a bf16 checkpoint in float32: AWQ's folded norms and weights are
     rounded to bf16 as they are folded, so the export reloads bit for bit to the in-memory model."""
     from quantkit.export import export_checkpoint
-    from quantkit.formats.compressed_tensors import build_quantization_config
+    from quantkit.quantization_config import build_quantization_config
 
     src = tiny_models[arch]
     batches = [sample_ids(tokenizer, 2, 24)]

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 import quantkit
 from quantkit.errors import CheckpointError, ModelNotFoundError, OutputExistsError
-from quantkit.formats.compressed_tensors import build_quantization_config
+from quantkit.quantization_config import build_quantization_config
 from quantkit.quantize import quantize
 from quantkit.recipe import load_recipe
 from quantkit.export import export_checkpoint

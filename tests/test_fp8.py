@@ -15,8 +15,9 @@ from quantkit.quant.fp8 import (FP8_MAX, TINY, dequantize_weight, fake_quantize,
                                 scale_from_absmax, to_fp8)
 from quantkit.quantize import quantize
 from quantkit.recipe import load_recipe
-from quantkit.runtime.fp8linear import Fp8Linear
-from quantkit.runtime.kv_cache import Fp8KVCache, KVObserver, kv_scales
+from quantkit.qmodules.fp8_linear import Fp8Linear
+from quantkit.qmodules.kv import KVObserver
+from quantkit.runtime.kv_cache import Fp8KVCache, kv_scales
 from quantkit.schemes import QuantScheme, resolve_scheme
 
 from helpers import quantize_in_memory, sample_ids
@@ -299,7 +300,7 @@ def test_emulated_fp8_linear_keeps_its_dense_weight_exactly():
 
 def test_dense_fp8_weights_are_kept_where_memory_allows(fp8_checkpoints, monkeypatch, caplog):
     from quantkit.errors import KernelError
-    from quantkit.runtime import fp8linear
+    from quantkit.qmodules import fp8_linear as fp8linear
 
     def kept(model):
         flags = {m.keep_dense for m in model.modules() if isinstance(m, Fp8Linear)}
@@ -409,7 +410,7 @@ def test_bad_fp8_input_is_rejected(tiny_llama, tmp_path):
         QuantScheme(num_bits=8, type="float", strategy="group", group_size=None)
     with pytest.raises(ValueError, match="activation quantization is FP8 only"):
         QuantScheme(num_bits=4, input_activations={"strategy": "token"})
-    from quantkit.formats.compressed_tensors import parse_quantization_config
+    from quantkit.quantization_config import parse_quantization_config
 
     qc = {"quant_method": "compressed-tensors", "config_groups": {"g": {
         "format": "float-quantized", "targets": ["Linear"],

@@ -182,7 +182,7 @@ def test_inverse_hessian_factor_is_the_upper_cholesky_of_the_inverse():
 ])
 def test_pipeline_gptq_round_trip_and_shared_hessians(recipe, overrides, tiny_models, tokenizer, tmp_path):
     from quantkit.export import export_checkpoint
-    from quantkit.formats.compressed_tensors import build_quantization_config
+    from quantkit.quantization_config import build_quantization_config
 
     src = tiny_models["qwen3"]
     batches = [sample_ids(tokenizer, 2, 24), sample_ids(tokenizer, 2, 24)]

@@ -16,7 +16,7 @@ from quantkit.kernels import cpu_int4, reference
 from quantkit.kernels.select import choose_int_kernel
 from quantkit.quant.intq import QuantizedWeight
 from quantkit.quant.packing import pack_int32
-from quantkit.runtime.qlinear import PackedIntLinear
+from quantkit.qmodules.int_linear import PackedIntLinear
 from quantkit.schemes import QuantScheme
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -78,7 +78,7 @@ def test_loader_lets_int4_layers_run_fast_only_when_float32_was_not_asked_for(ti
     from quantkit import compute
     from quantkit.quantize import quantize
     from quantkit.recipe import load_recipe
-    from quantkit.runtime.qlinear import PackedIntLinear
+    from quantkit.qmodules.int_linear import PackedIntLinear
 
     out = quantize(str(tiny_models["llama"]), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]),
                    tmp_path / "q", progress=False).output

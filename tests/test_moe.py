@@ -5,7 +5,7 @@ import torch
 from safetensors import safe_open
 
 import quantkit
-from quantkit.arch.adapter import adapter_for
+from quantkit.catalog import adapter_for
 from quantkit.arch.moe import LinearExperts, all_experts_see_tokens
 from quantkit.smoothing import fold_scales, repeated_heads_index
 
@@ -38,7 +38,7 @@ def _save_tiny_moe(path, tokenizer, model_type: str, **config_kw):
 def _quantize_export_reload(source, recipe, tokenizer, out, batches):
     """Quantize in memory, export, reload: (result, saved tensor names, logits before, logits after reload)."""
     from quantkit.export import export_checkpoint
-    from quantkit.formats.compressed_tensors import build_quantization_config
+    from quantkit.quantization_config import build_quantization_config
 
     stage = 1 if recipe.startswith("awq") else 0
     model, _, result, storage, _ = quantize_in_memory(source, recipe, [f"stages.{stage}.scheme.group_size=32"], batches)

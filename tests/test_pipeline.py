@@ -7,14 +7,14 @@ import torch
 
 import quantkit
 from quantkit.algorithms.rtn import RTN
-from quantkit.arch.adapter import adapter_for
+from quantkit.catalog import adapter_for
 from quantkit.errors import QuantizationError, UnsupportedArchitectureError
 from quantkit.pipeline import build_stages, quantize_model
 from quantkit.quant.intq import rtn
 from quantkit.quantize import quantize
 from quantkit.recipe import load_recipe
 from quantkit.registry import ALGORITHMS
-from quantkit.runtime.qlinear import PackedIntLinear
+from quantkit.qmodules.int_linear import PackedIntLinear
 
 from conftest import make_tiny_model
 from helpers import quantize_in_memory, sample_ids

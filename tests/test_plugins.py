@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from quantkit import registry
+from quantkit import catalog, registry  # catalog: importing it registers the built-ins
 from quantkit.errors import PluginError, UnknownNameError
 from quantkit.registry import ALGORITHMS, ARCHITECTURES, FORMATS
 

@@ -20,7 +20,7 @@ from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.errors import QuantizationError
 from quantkit.quant.fp8 import scale_from_absmax
 from quantkit.registry import ALGORITHMS
-from quantkit.runtime.kv_cache import KVObserver
+from quantkit.qmodules.kv import KVObserver
 
 
 class KVCacheConfig(AlgorithmConfig):

@@ -1,5 +1,6 @@
-"""Architecture adapters: where a model keeps its decoder layers and which linears share inputs."""
+"""Architecture adapters: where a model keeps its decoder layers and which linears share inputs
+(looked up by `model_type` in `quantkit.catalog`)."""
 
-from quantkit.arch.adapter import ArchitectureAdapter, adapter_for
+from quantkit.arch.adapter import ArchitectureAdapter
 
-__all__ = ["ArchitectureAdapter", "adapter_for"]
+__all__ = ["ArchitectureAdapter"]

@@ -1,15 +1,13 @@
-"""The ArchitectureAdapter contract and the lookup from a model's `model_type` to its adapter."""
+"""The ArchitectureAdapter contract (the lookup from a `model_type` to its adapter is `quantkit.catalog`)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 from torch import nn
 
 from quantkit.errors import UnsupportedArchitectureError
-from quantkit.registry import ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -134,25 +132,3 @@ class ArchitectureAdapter:
 
     def linear_names(self) -> list[str]:
         return [name for group in self.linear_groups for name in group]
-
-
-def find_adapter(model_type: str) -> Optional[ArchitectureAdapter]:
-    """The registered adapter, or None (loading and evaluating need none)."""
-    return ARCHITECTURES.get(model_type) if model_type in ARCHITECTURES else None
-
-
-def checkpoint_namer(model: nn.Module):
-    """name -> the name in this model family's checkpoints (identity for most families)."""
-    adapter = find_adapter(getattr(getattr(model, "config", None), "model_type", ""))
-    return adapter.to_checkpoint_name if adapter else (lambda name: name)
-
-
-def adapter_for(model_type: str) -> ArchitectureAdapter:
-    """The registered adapter for a `config.model_type`, or an error listing the known ones."""
-    if model_type not in ARCHITECTURES:
-        known = ", ".join(ARCHITECTURES.names())
-        raise UnsupportedArchitectureError(
-            f"architecture {model_type!r} is not supported; supported architectures: {known}. "
-            "A plugin can add one through the 'quantkit.plugins' entry point group."
-        )
-    return ARCHITECTURES.get(model_type)

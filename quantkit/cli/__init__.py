@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from quantkit import __version__
+from quantkit.version import __version__
 from quantkit.errors import QuantkitError
 
 

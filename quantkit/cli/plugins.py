@@ -13,6 +13,7 @@ def command():
     Example:
       quantkit plugins
     """
+    from quantkit import catalog  # noqa: F401  (registers the built-ins)
     from quantkit.registry import ALGORITHMS, ARCHITECTURES, FORMATS
 
     for registry in (ALGORITHMS, FORMATS, ARCHITECTURES):

@@ -138,7 +138,7 @@ def prepare(original: str, checkpoints: list[str], datasets: list[str], seq_len:
             max_tokens: Optional[int] = None, text_column: str = "text", encoding: str = "utf-8",
             dtype: str = "auto") -> tuple[list[Subject], list[Text], Optional[int]]:
     """Check everything that needs no weights; returns the subjects, the tokenized texts and the BOS id."""
-    from quantkit.registry import ARCHITECTURES
+    from quantkit.catalog import needs_bos as family_needs_bos
     from quantkit.runtime.loader import load_tokenizer
 
     if not datasets:
@@ -162,7 +162,7 @@ def prepare(original: str, checkpoints: list[str], datasets: list[str], seq_len:
                                   f"{ref.vocab}: KL divergence needs the same vocabulary; compare checkpoints of "
                                   f"{ref.spec} only")
     model_type = raws[0].get("model_type", "?")
-    needs_bos = model_type in ARCHITECTURES and ARCHITECTURES.get(model_type).needs_bos
+    needs_bos = family_needs_bos(model_type)
     tokenizers = [load_tokenizer(s.path) for s in subjects]
     bos = tokenizers[0].bos_token_id if needs_bos else None
     ref_tokenizer = _file_sha(ref.path / "tokenizer.json")

@@ -17,7 +17,7 @@ import torch
 from quantkit.calibration.data import load_text, tokenize
 from quantkit.errors import CalibrationDataError, CheckpointError
 from quantkit.eval.ppl import perplexity, windows
-from quantkit.registry import ARCHITECTURES
+from quantkit.catalog import needs_bos as family_needs_bos
 
 MIN_SCORED_TOKENS = 100  # a perplexity over fewer tokens is noise, not a measurement
 
@@ -47,7 +47,7 @@ def prepare(model_spec: str, text: str, seq_len: int, max_windows: Optional[int]
                               f"use --seq-len {limit} or less")
     tokenizer = load_tokenizer(path)
     model_type = raw.get("model_type", "?")
-    needs_bos = model_type in ARCHITECTURES and ARCHITECTURES.get(model_type).needs_bos
+    needs_bos = family_needs_bos(model_type)
     bos = tokenizer.bos_token_id if needs_bos else None
     ids = tokenize(tokenizer, text)
     scored = windows(ids, seq_len, max_windows, bos).shape[0] * (seq_len - 1)

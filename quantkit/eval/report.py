@@ -263,7 +263,8 @@ def to_html(doc: list[Block]) -> str:
 def gather(original: str, checkpoints: list[str], evaluation: dict, prompts: Sequence[str], max_new_tokens: int,
            dtype: str, device: str) -> dict:
     """Everything the document says, as JSON-able data (written as report.json)."""
-    from quantkit import __version__, compute
+    from quantkit import compute
+    from quantkit.version import __version__
     from quantkit.models.resolve import resolve_model
 
     specs = [original] + checkpoints
@@ -288,7 +289,7 @@ def gather(original: str, checkpoints: list[str], evaluation: dict, prompts: Seq
 
 def write(out: Path, data: dict, overwrite: bool = False) -> list[Path]:
     """report.md, report.html, report.json and the PNGs in `out`, all or nothing."""
-    from quantkit import __version__
+    from quantkit.version import __version__
     from quantkit.atomic import atomic_output_dir
     from quantkit.eval import plots
 

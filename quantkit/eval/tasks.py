@@ -160,7 +160,7 @@ def run(model_spec: str, tasks: list[str], limit: Optional[float] = None, batch_
 
     from quantkit.formats.checkpoint import read_config
     from quantkit.models.resolve import resolve_model
-    from quantkit.registry import ARCHITECTURES
+    from quantkit.catalog import needs_bos
     from quantkit.runtime.loader import load, load_tokenizer
 
     if not tasks:
@@ -178,7 +178,7 @@ def run(model_spec: str, tasks: list[str], limit: Optional[float] = None, batch_
                         f"{lm_eval.__version__}; list lm-eval's with `lm-eval ls tasks`, or give --include-path DIR")
     path = resolve_model(model_spec)
     model_type = read_config(path).get("model_type", "?")
-    add_bos = model_type in ARCHITECTURES and ARCHITECTURES.get(model_type).needs_bos
+    add_bos = needs_bos(model_type)
     model = load(path, dtype=dtype, device=device, offload=offload)
     lm = QuantkitLM(model, load_tokenizer(path), batch_size, max_length, add_bos, kv_cache_dtype)
     try:

@@ -8,9 +8,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from quantkit.errors import QuantizationError
 from quantkit.quant.intq import QuantizedWeight
-from quantkit.registry import FORMATS
 from quantkit.schemes import QuantScheme
 
 
@@ -44,11 +42,3 @@ class QuantFormat(ABC):
     @abstractmethod
     def scheme_from_config(self, group: str, weights: dict, input_activations: dict | None = None) -> QuantScheme:
         """Parse a config group's `weights` (and `input_activations`), rejecting what this format cannot run."""
-
-
-def format_for(scheme: QuantScheme) -> QuantFormat:
-    """The registered format that stores `scheme`."""
-    for entry in FORMATS.entries():
-        if entry.obj.supports(scheme):
-            return entry.obj
-    raise QuantizationError(f"no registered checkpoint format stores scheme {scheme.short()}")

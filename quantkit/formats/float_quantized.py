@@ -12,7 +12,7 @@ from quantkit.errors import CheckpointError
 from quantkit.formats.base import QuantFormat
 from quantkit.quant.fp8 import Fp8Weight
 from quantkit.registry import FORMATS
-from quantkit.runtime.fp8linear import Fp8Linear
+from quantkit.qmodules.fp8_linear import Fp8Linear
 from quantkit.schemes import ActivationScheme, QuantScheme
 
 

@@ -10,7 +10,7 @@ from quantkit.formats.base import QuantFormat
 from quantkit.quant.intq import QuantizedWeight
 from quantkit.quant.packing import SUPPORTED_BITS
 from quantkit.registry import FORMATS
-from quantkit.runtime.qlinear import PackedIntLinear
+from quantkit.qmodules.int_linear import PackedIntLinear
 from quantkit.schemes import QuantScheme
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from quantkit.errors import CheckpointError, OutputExistsError
 from quantkit.formats.checkpoint import read_config
-from quantkit.formats.compressed_tensors import parse_quantization_config
+from quantkit.quantization_config import parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.gguf import blocks, grids, metadata, mixture
 from quantkit.quant.intq import rtn

@@ -37,13 +37,13 @@ def keep_quantized(model: nn.Module, reader) -> tuple[dict, Counter]:
     """Swap the model's linears stored as Q8_0 / Q4_0 in the GGUF file (`reader`, a gguf.GGUFReader) for
     packed int modules. Returns the quantized modules (name -> (format, scheme)) for the checkpoint's config,
     and tensors by how they went."""
-    from quantkit.registry import FORMATS
-    from quantkit.runtime.qlinear import PackedIntLinear
+    from quantkit.catalog import quant_format
+    from quantkit.qmodules.int_linear import PackedIntLinear
 
     tensors = {t.name: t for t in reader.tensors}
     config = model.config.to_dict()
     namer = metadata.tensor_namer(config["model_type"], config["num_hidden_layers"])
-    fmt = FORMATS.get("pack-quantized")
+    fmt = quant_format("pack-quantized")
     quantized, how = {}, Counter()
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):

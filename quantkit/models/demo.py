@@ -79,7 +79,7 @@ def _mark_as_cache(out: Path, name: str) -> None:
     """A cache entry converted before outputs carried quantkit.json: mark it as quantkit's own, so the
     re-conversion may replace it (--overwrite replaces only what quantkit wrote)."""
     if out.is_dir() and not (out / "quantkit.json").exists() and (out / "config.json").is_file():
-        from quantkit import __version__
+        from quantkit.version import __version__
 
         (out / "quantkit.json").write_text(json.dumps({"quantkit_version": __version__, "demo_model": name}) + "\n")
 

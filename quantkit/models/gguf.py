@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit import __version__
+from quantkit.version import __version__
 from quantkit.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
         model.generation_config.save_pretrained(tok_dir)
         marker = {"quantkit_version": __version__, "converted_from": str(gguf_file.resolve()),
                   "dtype": str(dtype).removeprefix("torch.")}
-        from quantkit.formats.compressed_tensors import build_quantization_config
+        from quantkit.quantization_config import build_quantization_config
 
         qc = build_quantization_config(model, quantized) if quantized else None
         export_checkpoint(model, Path(out), storage_dtype=dtype, source=tok_dir, overwrite=overwrite,

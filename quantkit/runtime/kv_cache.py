@@ -1,9 +1,8 @@
-"""FP8 KV cache: scale observers for calibration, and a cache that stores keys/values on the FP8 grid.
+"""FP8 KV cache: a cache that stores keys/values on the FP8 grid, and the model's calibrated KV scales.
 
 transformers' attention passes its keys (after RoPE) and values through `cache.update(k, v,
-layer_idx, ...)` before attending; both classes here sit at that point. `KVObserver` records
-each layer's absmax (per tensor and per KV head) and returns the states unchanged.
-`Fp8KVCache` quantizes every key/value to e4m3 with the layer's scales before storing it
+layer_idx, ...)` before attending; the caches here sit at that point (as does the calibration's
+`quantkit.qmodules.kv.KVObserver`). `Fp8KVCache` quantizes every key/value to e4m3 with the layer's scales before storing it
 (emulation: the values kept are exactly what an FP8 cache holds, in the compute dtype), so
 attention reads what it would read from an FP8 cache. Scales: `self_attn.k_scale` /
 `v_scale` ([1] per tensor, [kv_heads] per head), as compressed-tensors exports them.
@@ -18,32 +17,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache, StaticCache
 
+from quantkit.qmodules.kv import head_view
 from quantkit.quant.fp8 import fake_quantize
 
 log = logging.getLogger(__name__)
-
-
-class KVObserver:
-    """Stands in for a cache during calibration: keeps absmax of keys and values per KV head."""
-
-    def __init__(self):
-        self.k_absmax: dict[int, torch.Tensor] = {}
-        self.v_absmax: dict[int, torch.Tensor] = {}
-
-    @staticmethod
-    def _per_head(x: torch.Tensor) -> torch.Tensor:
-        return x.detach().abs().float().amax(dim=(0, 2, 3))  # [batch, heads, seq, dim] -> [heads]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        for store, x in ((self.k_absmax, key_states), (self.v_absmax, value_states)):
-            m = self._per_head(x)
-            store[layer_idx] = torch.maximum(store[layer_idx], m) if layer_idx in store else m
-        return key_states, value_states
-
-
-def head_view(scale: torch.Tensor) -> torch.Tensor:
-    """A [1] or [heads] scale broadcast against [batch, heads, seq, dim]."""
-    return scale.float().reshape(1, -1, 1, 1)
 
 
 class _Fp8Update:

@@ -25,8 +25,8 @@ from torch import nn
 
 from quantkit.kernels import cpu_int4
 from quantkit.quant.fp8 import fake_quantize
-from quantkit.runtime.kv_cache import head_view
-from quantkit.runtime.qlinear import PackedIntLinear
+from quantkit.qmodules.kv import head_view
+from quantkit.qmodules.int_linear import PackedIntLinear
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 

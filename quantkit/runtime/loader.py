@@ -16,14 +16,14 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from quantkit import compute, devices
-from quantkit.arch.adapter import checkpoint_namer, find_adapter
+from quantkit.catalog import architecture_names, checkpoint_namer, find_adapter
 from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
 from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, iter_tensors, read_config
-from quantkit.formats.compressed_tensors import LoadPlan, parse_quantization_config
+from quantkit.quantization_config import LoadPlan, parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.models.resolve import resolve_model
-from quantkit.runtime.fp8linear import plan_dense_cache
+from quantkit.qmodules.fp8_linear import plan_dense_cache
 from quantkit.runtime import offload as offload_mod
 from quantkit.runtime.kv_cache import attention_modules
 
@@ -120,12 +120,10 @@ def model_config(path: Path, raw: dict):
         return AutoConfig.from_pretrained(path)
     except (ValueError, KeyError) as exc:
         model_type = raw.get("model_type", "?")
-        from quantkit.registry import ARCHITECTURES
-
         remote = " (its config points at remote code, which quantkit never runs)" if raw.get("auto_map") else ""
         raise CheckpointError(
             f"{path}: model_type {model_type!r} is not an architecture this transformers knows{remote}; "
-            f"quantkit runs transformers' built-in architectures, and quantizes {', '.join(ARCHITECTURES.names())}"
+            f"quantkit runs transformers' built-in architectures, and quantizes {', '.join(architecture_names())}"
             f" ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
 
 

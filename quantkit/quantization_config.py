@@ -1,7 +1,8 @@
 """The `quantization_config` block of compressed-tensors checkpoints: writing it and reading it back.
 
 The config is the contract: the loader decides which module is quantized how from
-`config_groups` and `ignore` alone, never from tensor names.
+`config_groups` and `ignore` alone, never from tensor names. It names formats and architectures,
+so it looks them up in `quantkit.catalog` (it sits above the format plugins, not among them).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from torch import nn
 
 from quantkit.errors import CheckpointError, UnknownNameError
 from quantkit.formats.base import QuantFormat
-from quantkit.registry import FORMATS
+from quantkit.catalog import checkpoint_namer, quant_format
 from quantkit.schemes import QuantScheme
-from quantkit.arch.adapter import checkpoint_namer
 from quantkit.targets import matches
 
 log = logging.getLogger(__name__)
@@ -29,15 +29,17 @@ def build_quantization_config(model: nn.Module, quantized: dict[str, tuple[Quant
     (and whose attention modules hold k_scale / v_scale when kv_cache_scheme is given)."""
     ckpt = checkpoint_namer(model)  # config names are checkpoint names (Mixtral: block_sparse_moe.*)
     by_group: dict[tuple[str, QuantScheme], list[str]] = {}
+    formats_by_name = {}
     for name, (fmt, scheme) in quantized.items():
         by_group.setdefault((fmt.name, scheme), []).append(ckpt(name))
+        formats_by_name[fmt.name] = fmt
     single = len(by_group) == 1
     groups = {}
     for i, ((fmt_name, scheme), names) in enumerate(sorted(by_group.items(), key=lambda kv: kv[1][0])):
         groups[f"group_{i}"] = {
             "targets": ["Linear"] if single else sorted(names),
-            "weights": FORMATS.get(fmt_name).weights_config(scheme),
-            "input_activations": FORMATS.get(fmt_name).activations_config(scheme),
+            "weights": formats_by_name[fmt_name].weights_config(scheme),
+            "input_activations": formats_by_name[fmt_name].activations_config(scheme),
             "output_activations": None,
             "format": fmt_name,
         }
@@ -104,7 +106,7 @@ def parse_quantization_config(qc: dict, where: str) -> LoadPlan:
     for gname, group in (qc.get("config_groups") or {}).items():
         fmt_name = group.get("format") or qc.get("format")
         try:
-            fmt = FORMATS.get(fmt_name)
+            fmt = quant_format(fmt_name)
         except UnknownNameError as exc:
             raise CheckpointError(f"{where}: config_groups.{gname}: {exc}") from None
         if group.get("output_activations"):
