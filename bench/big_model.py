@@ -65,7 +65,7 @@ def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, 
              device: str) -> None:
     from quantkit import compute
     from quantkit.memory import PeakSampler, live_heap_bytes
-    from quantkit.quantize import quantize as run
+    from quantkit.job import quantize as run
     from quantkit.recipe import load_recipe
 
     recipe = load_recipe(recipe_name, overrides)

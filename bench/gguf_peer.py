@@ -40,7 +40,7 @@ def calibration_text(model: Path, out: Path) -> None:
     """quantkit's calibration windows for the recipe, decoded (one per line)."""
     from quantkit.catalog import adapter_for
     from quantkit.formats.checkpoint import read_config
-    from quantkit.quantize import calibration_batches
+    from quantkit.api import calibration_batches
     from quantkit.recipe import load_recipe
     from quantkit.runtime.loader import load_tokenizer
 

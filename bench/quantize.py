@@ -35,7 +35,7 @@ def main() -> None:
     from quantkit.eval.ppl_table import evaluate_one
     from quantkit.calibration.data import load_text
     from quantkit.models.resolve import resolve_model
-    from quantkit.quantize import quantize
+    from quantkit.job import quantize
     from quantkit.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)

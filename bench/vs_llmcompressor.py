@@ -42,7 +42,8 @@ def main() -> None:
     from quantkit.calibration.data import load_text
     from quantkit.eval.ppl_table import evaluate_one
     from quantkit.models.resolve import resolve_model
-    from quantkit.quantize import calibration_batches, quantize
+    from quantkit.api import calibration_batches
+    from quantkit.job import quantize
     from quantkit.recipe import load_recipe
     from quantkit.catalog import needs_bos as family_needs_bos
     from quantkit.formats.checkpoint import read_config

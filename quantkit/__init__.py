@@ -1,8 +1,13 @@
-"""quantkit: quantize LLMs (RTN, GPTQ, AWQ, FP8) into compressed-tensors checkpoints, evaluate and run them."""
+"""quantkit: quantize LLMs (RTN, GPTQ, AWQ, FP8) into compressed-tensors checkpoints, evaluate and run them.
+
+The Python API (`quantkit.api`): `quantize(model_or_path, recipe, ...)` -> (model, report) in memory,
+`save(model, path)`; `load(path)` and `load_tokenizer(path)` for running checkpoints.
+"""
 
 from quantkit.version import __version__
 
-__all__ = ["load", "load_tokenizer", "__version__"]
+__all__ = ["quantize", "save", "load", "load_tokenizer", "__version__"]
+
 
 
 def __getattr__(name: str):
@@ -11,4 +16,8 @@ def __getattr__(name: str):
         from quantkit.runtime import loader
 
         return getattr(loader, name)
+    if name in ("quantize", "save"):
+        from quantkit import api
+
+        return getattr(api, name)
     raise AttributeError(f"module 'quantkit' has no attribute {name!r}")

@@ -94,6 +94,15 @@ class Recipe(_Strict):
                 return True
         return False
 
+    def with_overrides(self, items: list[str]) -> "Recipe":
+        """A copy with more `--set` items applied (validated as a recipe read from a file is)."""
+        raw = yaml.safe_load(self.to_yaml())
+        for item in items:
+            raw = apply_override(raw, item)
+        recipe = validate_recipe(raw, self.name)
+        recipe._overrides = [*self._overrides, *items]
+        return recipe
+
     def to_yaml(self) -> str:
         """The recipe with defaults filled in and schemes resolved to explicit fields; a comment
         at the top names the --set overrides that were applied."""

@@ -12,7 +12,7 @@ import torch
 import quantkit.pipeline as pipeline
 from quantkit.atomic import find_work_dirs
 from quantkit.calibration.activations import Activations, Budget
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 
 SMALL = ["calibration.num_samples=8", "calibration.seq_len=32", "calibration.batch_size=2"]  # 4 batches

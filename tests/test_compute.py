@@ -134,7 +134,7 @@ def test_load_uses_the_policy_and_records_it(tiny_llama, monkeypatch):
 def test_quantize_records_the_choice(tiny_llama, tmp_path, monkeypatch):
     import json
 
-    from quantkit.quantize import quantize
+    from quantkit.job import quantize
     from quantkit.recipe import load_recipe
 
     monkeypatch.setenv(compute.ENV, "float32")

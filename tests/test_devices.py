@@ -12,11 +12,11 @@ import torch
 from click.testing import CliRunner
 
 import quantkit
-import quantkit.quantize as quantize_job
+import quantkit.job as quantize_job
 from quantkit import devices
 from quantkit.cli import main
 from quantkit.devices import DeviceError, resolve, to_device
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 
 HAS_CUDA = torch.cuda.is_available()

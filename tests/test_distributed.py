@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from quantkit.distributed import World, owner_of
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 
 SMALL = ["calibration.num_samples=16", "calibration.seq_len=64", "calibration.batch_size=2"]

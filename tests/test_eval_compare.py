@@ -17,7 +17,7 @@ from quantkit.eval import compare as compare_mod
 from quantkit.eval.compare import evaluate, find_original, window_count
 from quantkit.eval.divergence import Tally, kl_divergence, log_probs, percentile, token_nll, top1_same
 from quantkit.eval.ppl import perplexity, windows
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 
 

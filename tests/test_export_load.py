@@ -11,7 +11,7 @@ from safetensors import safe_open
 import quantkit
 from quantkit.errors import CheckpointError, ModelNotFoundError, OutputExistsError
 from quantkit.quantization_config import build_quantization_config
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 from quantkit.export import export_checkpoint
 

@@ -13,7 +13,7 @@ from quantkit.errors import CheckpointError, RecipeError
 from quantkit.kernels.reference import fp8_quantize_per_token
 from quantkit.quant.fp8 import (FP8_MAX, TINY, dequantize_weight, fake_quantize, mse_scale, quantize_weight,
                                 scale_from_absmax, to_fp8)
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 from quantkit.qmodules.fp8_linear import Fp8Linear
 from quantkit.qmodules.kv import KVObserver
@@ -138,7 +138,7 @@ def test_fp8_kv_cache_stores_values_on_the_fp8_grid():
 # -- through the pipeline, the format and the runner ------------------------------------------------
 
 def test_fp8_dynamic_needs_no_calibration_data(tiny_llama, tmp_path, monkeypatch):
-    import quantkit.quantize as qmod
+    import quantkit.job as qmod
 
     def no_data(*args, **kwargs):
         raise AssertionError("fp8-dynamic must not load calibration data")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 from quantkit.runtime.detokenize import IncrementalDetokenizer
 from quantkit.runtime import lean_decode

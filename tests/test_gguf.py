@@ -22,7 +22,7 @@ from quantkit.gguf import blocks, grids, mixture  # noqa: E402
 from quantkit.gguf.export import export_gguf  # noqa: E402
 from quantkit.gguf.metadata import row_order  # noqa: E402
 from quantkit.quant.intq import compute_qparams, rtn  # noqa: E402
-from quantkit.quantize import quantize  # noqa: E402
+from quantkit.job import quantize  # noqa: E402
 from quantkit.recipe import load_recipe  # noqa: E402
 from quantkit.runtime.loader import load  # noqa: E402
 from quantkit.schemes import PRESETS, QuantScheme, resolve_scheme  # noqa: E402

@@ -204,7 +204,7 @@ def test_pipeline_gptq_round_trip_and_shared_hessians(recipe, overrides, tiny_mo
 def test_actorder_is_written_to_the_checkpoint(tiny_llama, tokenizer, tmp_path):
     import json
 
-    from quantkit.quantize import quantize as run_quantize
+    from quantkit.job import quantize as run_quantize
     from quantkit.recipe import load_recipe
 
     recipe = load_recipe("gptq-w4a16", ["stages.0.scheme.group_size=32", "stages.0.scheme.actorder=static",

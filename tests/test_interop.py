@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import quantkit
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 
 from helpers import sample_ids

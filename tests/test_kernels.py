@@ -76,7 +76,7 @@ def test_loader_lets_int4_layers_run_fast_only_when_float32_was_not_asked_for(ti
     float32 asked for (dtype=, QUANTKIT_COMPUTE_DTYPE) keeps them exact."""
     import quantkit
     from quantkit import compute
-    from quantkit.quantize import quantize
+    from quantkit.job import quantize
     from quantkit.recipe import load_recipe
     from quantkit.qmodules.int_linear import PackedIntLinear
 

@@ -15,7 +15,7 @@ import quantkit
 from quantkit.cli import main
 from quantkit.errors import CheckpointError
 from quantkit.eval.ppl import perplexity
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 from quantkit.runtime import offload
 from quantkit.runtime.generate import generate

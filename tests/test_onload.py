@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 
 from conftest import make_tiny_model
@@ -109,7 +109,7 @@ def test_interrupted_onloaded_run_leaves_nothing(sources, tmp_path, monkeypatch)
 PEAK = """
 import sys
 from quantkit.memory import PeakSampler, live_heap_bytes
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 recipe = load_recipe("gptq-w4a16", ["calibration.num_samples=2", "calibration.seq_len=32"])
 before = live_heap_bytes()

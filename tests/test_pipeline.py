@@ -11,7 +11,7 @@ from quantkit.catalog import adapter_for
 from quantkit.errors import QuantizationError, UnsupportedArchitectureError
 from quantkit.pipeline import build_stages, quantize_model
 from quantkit.quant.intq import rtn
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 from quantkit.registry import ALGORITHMS
 from quantkit.qmodules.int_linear import PackedIntLinear

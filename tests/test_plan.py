@@ -9,11 +9,11 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoConfig
 
-import quantkit.quantize as job
+import quantkit.job as job
 from quantkit.cli import main
 from quantkit.errors import QuantizationError
 from quantkit.formats.lazy import LazyCheckpoint
-from quantkit.quantize import plan, quantize
+from quantkit.job import plan, quantize
 from quantkit.recipe import load_recipe
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

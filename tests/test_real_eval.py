@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from quantkit.cli import main
 from quantkit.eval.compare import evaluate
 from quantkit.models.demo import fetch
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 
 pytestmark = pytest.mark.slow

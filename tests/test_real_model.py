@@ -7,7 +7,7 @@ import quantkit
 from quantkit.calibration.data import load_text, tokenize
 from quantkit.eval.ppl import perplexity
 from quantkit.models.demo import fetch
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 from quantkit.runtime.generate import generate
 from quantkit.runtime.sampling import SamplingParams

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from quantkit import resume as resume_mod
 from quantkit.cli import main
-from quantkit.quantize import quantize
+from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 from quantkit.resume import ResumeError, differences, run_dir
 

@@ -18,10 +18,10 @@ from torch import nn
 from quantkit.version import __version__
 from quantkit import compute, devices, distributed
 from quantkit.catalog import adapter_for
+from quantkit.api import calibration_batches, report_fallbacks
 from quantkit.atomic import (atomic_output_dir, check_free_space, check_output_free, check_writable, clean_stale_for,
                              scratch_dir)
 from quantkit.calibration.activations import Activations, Budget
-from quantkit.calibration.data import load_text, make_chunks, tokenize
 from quantkit.errors import QuantizationError
 from quantkit.export import export_checkpoint, write_model_files
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, read_config
@@ -34,7 +34,7 @@ from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_
 from quantkit.recipe import Recipe
 from quantkit.onload import OnloadedModel, skeleton
 from quantkit import resume as resume_mod
-from quantkit.runtime.loader import checkpoint_dtype, load, load_tokenizer, model_config
+from quantkit.runtime.loader import checkpoint_dtype, load, model_config
 
 log = logging.getLogger(__name__)
 LOAD_MODES = ("layers", "whole")
@@ -62,15 +62,6 @@ class QuantizeReport:
 
 def default_output(source: Path, recipe: Recipe) -> Path:
     return Path.cwd() / f"{source.name}-{recipe.name}"
-
-
-def calibration_batches(source: Path, recipe: Recipe, needs_bos: bool) -> list[torch.Tensor]:
-    cal = recipe.calibration
-    tokenizer = load_tokenizer(source)
-    ids = tokenize(tokenizer, load_text(cal.dataset, cal.text_column, cal.encoding))
-    bos = tokenizer.bos_token_id if needs_bos else None
-    chunks = make_chunks(ids, cal.num_samples, cal.seq_len, cal.seed, bos, label=cal.dataset)
-    return list(chunks.split(cal.batch_size))  # [batch, seq_len] each
 
 
 def estimate_checkpoint_bytes(model: nn.Module, stages: list[Stage], storage_dtype: torch.dtype) -> int:
@@ -255,7 +246,7 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
         onloaded = OnloadedModel(model, source, adapter, choice.dtype, storage_dtype)
         zeroed = onloaded.check_finite(zero_nonfinite, notify)
     stages = build_stages(model, adapter, recipe)
-    fallbacks = _report_fallbacks(stages, notify)
+    fallbacks = report_fallbacks(stages, notify)
     checkpoint_bytes = estimate_checkpoint_bytes(model, stages, storage_dtype)
     the_plan = make_plan(model, stages, adapter, recipe, model_name=str(source), device=where.device,
                          compute_dtype=choice.dtype, storage_dtype=storage_dtype, checkpoint_bytes=checkpoint_bytes,
@@ -455,22 +446,3 @@ def _restored(report: dict) -> QuantizationResult:
         scheme = QuantScheme.model_validate(data)
         result.quantized[name] = (format_for(scheme), scheme)
     return result
-
-
-def _report_fallbacks(stages: list[Stage], notify: Callable[[str], None]) -> list[dict]:
-    """One line per stage whose group size some layers get smaller, and the record for quantkit.json."""
-    records = []
-    for st in stages:
-        if not st.fallbacks:
-            continue
-        asked = st.algorithm.scheme.group_size
-        by_size: dict[int, list[str]] = {}
-        for name, sc in st.fallbacks.items():
-            by_size.setdefault(sc.group_size, []).append(name)
-            records.append({"name": name, "stage": st.index, "group_size": sc.group_size, "recipe_group_size": asked})
-        for size, names in by_size.items():
-            kinds = sorted({n.rpartition(".")[2] for n in names})
-            notify(f"group_size {asked} does not divide the inputs of {len(names)} linear(s) ({', '.join(kinds)}): "
-                   f"those use group_size {size} (recorded in quantkit.json; --set stages.{st.index}.scheme.group_size=N "
-                   "to choose one for all)")
-    return records
