@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(BIN)/quantkit models fetch smollm2-135m
-	$(BIN)/quantkit quantize smollm2-135m --recipe awq-w4a16 --set stages.1.scheme.group_size=64 \
+	$(BIN)/quantkit quantize smollm2-135m --recipe awq-w4a16 --set stages.rtn.scheme.group_size=64 \
 		-o $(DEMO_OUT) --overwrite
 	$(BIN)/quantkit eval ppl smollm2-135m $(DEMO_OUT) --max-windows 8
 	$(BIN)/quantkit generate $(DEMO_OUT) "Who was Jane Austen?" --chat --max-new-tokens 64

@@ -35,7 +35,7 @@ from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, read_config
 from quantkit.models.resolve import resolve_model
 from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_model
 from quantkit.quantization_config import build_quantization_config
-from quantkit.recipe import Recipe, load_recipe
+from quantkit.recipe import Recipe, load_recipe, stage_names
 from quantkit.runtime.loader import checkpoint_dtype, load, load_tokenizer
 from quantkit.version import __version__
 
@@ -184,6 +184,7 @@ def save(model: nn.Module, path: Union[str, Path], *, overwrite: bool = False,
 def report_fallbacks(stages: list[Stage], notify: Callable[[str], None]) -> list[dict]:
     """One line per stage whose group size some layers get smaller, and the record for quantkit.json."""
     records = []
+    addresses = {i: n for n, i in stage_names([st.spec.model_dump() for st in stages]).items()}
     for st in stages:
         if not st.fallbacks:
             continue
@@ -195,7 +196,7 @@ def report_fallbacks(stages: list[Stage], notify: Callable[[str], None]) -> list
         for size, names in by_size.items():
             kinds = sorted({n.rpartition(".")[2] for n in names})
             notify(f"group_size {asked} does not divide the inputs of {len(names)} linear(s) ({', '.join(kinds)}): "
-                   f"those use group_size {size} (recorded in quantkit.json; --set stages.{st.index}.scheme.group_size=N "
+                   f"those use group_size {size} (recorded in quantkit.json; --set stages.{addresses.get(st.index, st.index)}.scheme.group_size=N "
                    "to choose one for all)")
     return records
 

@@ -2,11 +2,16 @@
 
 A recipe is data only: it is parsed with `yaml.safe_load` and validated by pydantic models
 that reject unknown keys, so nothing in a recipe can execute code.
+
+Overrides address a stage by index (`stages.0.scheme.group_size=64`) or by name
+(`stages.gptq.scheme.group_size=64`): a stage's name is its `name:` field, else its algorithm
+when no other stage of the recipe runs the same algorithm.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -67,6 +72,7 @@ class CalibrationSpec(_Strict):
 
 class StageSpec(_Strict):
     algorithm: str
+    name: Optional[str] = None  # to address the stage in overrides (default: its algorithm, when unique)
     scheme: Optional[SchemeSpec] = None
     targets: list[str] = Field(default_factory=lambda: ["Linear"])  # class names, module names or "re:<regex>"
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
@@ -87,12 +93,22 @@ class Recipe(_Strict):
 
     def group_size_set(self, stage: int) -> bool:
         """Whether a --set override gave stage `stage`'s group size explicitly."""
+        names = stage_names([s.model_dump() for s in self.stages])
         for item in self._overrides:
             parts = item.partition("=")[0].strip().split(".")
-            if parts[:1] == ["stages"] and len(parts) >= 3 and parts[1].lstrip("-").isdigit() \
-                    and int(parts[1]) % len(self.stages) == stage and parts[2:] in (["scheme", "group_size"], ["scheme"]):
+            if parts[:1] != ["stages"] or len(parts) < 3 or parts[2:] not in (["scheme", "group_size"], ["scheme"]):
+                continue
+            if parts[1].lstrip("-").isdigit():
+                if int(parts[1]) % len(self.stages) == stage:
+                    return True
+            elif names.get(parts[1]) == stage:
                 return True
         return False
+
+    def stage_address(self, stage: int) -> str:
+        """How overrides name stage `stage`: its name where it has one, else its index."""
+        by_index = {i: n for n, i in stage_names([s.model_dump() for s in self.stages]).items()}
+        return by_index.get(stage, str(stage))
 
     def with_overrides(self, items: list[str]) -> "Recipe":
         """A copy with more `--set` items applied (validated as a recipe read from a file is)."""
@@ -109,6 +125,8 @@ class Recipe(_Strict):
         data = self.model_dump(mode="json")
         for stage, spec in zip(data["stages"], self.stages):
             stage["scheme"] = spec.scheme.resolve().model_dump(mode="json") if spec.scheme else None
+            if stage.get("name") is None:
+                stage.pop("name", None)
         head = "".join(f"# --set {item}\n" for item in self._overrides)
         head = f"# recipe {self.name} with these overrides applied:\n{head}" if head else ""
         return head + yaml.safe_dump(data, sort_keys=False)
@@ -158,7 +176,32 @@ def validate_recipe(raw: dict, label: str = "recipe") -> Recipe:
         raise RecipeError(_format_errors(label, exc, Recipe)) from None
     for i, stage in enumerate(recipe.stages):
         _validate_stage(label, i, stage)
+    seen: dict[str, int] = {}
+    for i, stage in enumerate(recipe.stages):
+        if stage.name is None:
+            continue
+        if not stage.name.strip() or stage.name.lstrip("-").isdigit() or "." in stage.name or "=" in stage.name:
+            raise RecipeError(f"recipe {label}: stages.{i}.name {stage.name!r}: a name is a word (not a number, "
+                              "no '.' or '='), e.g. gptq or weights")
+        if stage.name in seen:
+            raise RecipeError(f"recipe {label}: stages.{i}.name {stage.name!r} is the name of stage {seen[stage.name]} "
+                              "too; stage names are unique")
+        seen[stage.name] = i
     return recipe
+
+
+def stage_names(stages: list) -> dict[str, int]:
+    """name -> index of each addressable stage (raw recipe dicts): its `name`, else its algorithm when no
+    other stage runs that algorithm (and no stage is named so)."""
+    dicts = [s if isinstance(s, dict) else {} for s in stages]
+    explicit = {str(s["name"]): i for i, s in enumerate(dicts) if s.get("name")}
+    counts = Counter(s.get("algorithm") for s in dicts)
+    out = dict(explicit)
+    for i, s in enumerate(dicts):
+        algo = s.get("algorithm")
+        if not s.get("name") and isinstance(algo, str) and counts[algo] == 1 and algo not in explicit:
+            out[algo] = i
+    return out
 
 
 def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
@@ -245,13 +288,13 @@ def apply_override(raw: dict, item: str) -> dict:
     node: Union[dict, list] = out
     for depth, part in enumerate(parts[:-1]):
         node = _descend(node, part, parts[: depth + 1], item)
-    _assign(node, parts[-1], value, item)
+    _assign(node, parts[-1], value, item, stages=parts[:-1] == ["stages"])
     return out
 
 
 def _descend(node: Union[dict, list], part: str, path: list[str], item: str) -> Union[dict, list]:
     if isinstance(node, list):
-        idx = _index(node, part, item)
+        idx = _index(node, part, item, stages=path[:-1] == ["stages"])
         return node[idx]
     child = node.get(part)
     if child is None:
@@ -263,14 +306,25 @@ def _descend(node: Union[dict, list], part: str, path: list[str], item: str) -> 
     return child
 
 
-def _assign(node: Union[dict, list], part: str, value: Any, item: str) -> None:
+def _assign(node: Union[dict, list], part: str, value: Any, item: str, stages: bool = False) -> None:
     if isinstance(node, list):
-        node[_index(node, part, item)] = value
+        node[_index(node, part, item, stages)] = value
     else:
         node[part] = value
 
 
-def _index(node: list, part: str, item: str) -> int:
+def _index(node: list, part: str, item: str, stages: bool = False) -> int:
+    """A list position: an index, or (in `stages`) a stage's name."""
+    if stages and not part.lstrip("-").isdigit():
+        names = stage_names(node)
+        if part in names:
+            return names[part]
+        listed = ", ".join(f"{i} {s.get('name') or s.get('algorithm')}" if isinstance(s, dict) else str(i)
+                           for i, s in enumerate(node))
+        same = [i for i, s in enumerate(node) if isinstance(s, dict) and s.get("algorithm") == part]
+        why = (f"{len(same)} stages run {part!r} (give them `name:` fields, or use an index)" if len(same) > 1
+               else f"no stage is named {part!r}")
+        raise RecipeError(f"--set {item!r}: {why}; the stages are {listed}; address one by name or index")
     if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
         raise RecipeError(f"--set {item!r}: {part!r} is not an index of a list of {len(node)} items")
     return int(part)

@@ -100,3 +100,56 @@ def test_to_yaml_round_trips_with_resolved_scheme():
     again = validate_recipe(yaml.safe_load(recipe.to_yaml()))
     assert again.stages[0].scheme.resolve() == recipe.stages[0].scheme.resolve()
     assert yaml.safe_load(recipe.to_yaml())["stages"][0]["scheme"]["group_size"] == 32
+
+
+# --- stages addressed by name ------------------------------------------------------------------
+
+def _schemes(recipe):
+    return [s.scheme.resolve() if s.scheme else None for s in recipe.stages]
+
+
+@pytest.mark.parametrize("recipe, by_name, by_index", [
+    ("gptq-w4a16", "stages.gptq.scheme.group_size=64", "stages.0.scheme.group_size=64"),
+    ("awq-w4a16", "stages.rtn.scheme.group_size=64", "stages.1.scheme.group_size=64"),
+    ("awq-gptq-w4a16", "stages.gptq.scheme.group_size=32", "stages.1.scheme.group_size=32"),
+    ("awq-w4a16", "stages.awq.args.n_grid=10", "stages.0.args.n_grid=10"),
+])
+def test_a_stage_is_addressed_by_its_algorithm(recipe, by_name, by_index):
+    named, indexed = load_recipe(recipe, [by_name]), load_recipe(recipe, [by_index])
+    assert _schemes(named) == _schemes(indexed) and [s.args for s in named.stages] == [s.args for s in indexed.stages]
+    assert _schemes(named) != _schemes(load_recipe(recipe)) or named.stages[0].args != load_recipe(recipe).stages[0].args
+    stage = int(by_index.split(".")[1])
+    assert named.group_size_set(stage) == indexed.group_size_set(stage) == ("group_size" in by_name)
+
+
+TWO_RTN = {"stages": [
+    {"algorithm": "rtn", "scheme": "W4A16", "targets": ["re:.*mlp.*"]},
+    {"algorithm": "rtn", "scheme": "W4A16_ASYM", "targets": ["re:.*self_attn.*"]},
+]}
+
+
+def test_stages_with_the_same_algorithm_need_names(tmp_path):
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(TWO_RTN))
+    with pytest.raises(RecipeError, match=r"2 stages run 'rtn' \(give them `name:` fields, or use an index\); "
+                                          r"the stages are 0 rtn, 1 rtn"):
+        load_recipe(str(path), ["stages.rtn.scheme.group_size=64"])
+    named = {"stages": [{**TWO_RTN["stages"][0], "name": "mlp"}, {**TWO_RTN["stages"][1], "name": "attention"}]}
+    path.write_text(yaml.safe_dump(named))
+    recipe = load_recipe(str(path), ["stages.attention.scheme.group_size=32"])
+    assert [s.group_size for s in _schemes(recipe)] == [128, 32]
+    assert recipe.stage_address(1) == "attention" and recipe.group_size_set(1) and not recipe.group_size_set(0)
+    again = validate_recipe(yaml.safe_load(recipe.to_yaml()))
+    assert [s.name for s in again.stages] == ["mlp", "attention"]
+    assert all("name" not in st for st in yaml.safe_load(load_recipe("gptq-w4a16").to_yaml())["stages"])
+
+
+def test_unknown_and_bad_stage_names():
+    with pytest.raises(RecipeError, match=r"no stage is named 'gtpq'; the stages are 0 gptq; address one by name"):
+        load_recipe("gptq-w4a16", ["stages.gtpq.scheme.group_size=64"])
+    dup = {"stages": [{**TWO_RTN["stages"][0], "name": "w"}, {**TWO_RTN["stages"][1], "name": "w"}]}
+    with pytest.raises(RecipeError, match=r"stages.1.name 'w' is the name of stage 0 too"):
+        validate_recipe(dup)
+    numeric = {"stages": [{**TWO_RTN["stages"][0], "name": "1"}]}
+    with pytest.raises(RecipeError, match=r"stages.0.name '1': a name is a word"):
+        validate_recipe(numeric)
