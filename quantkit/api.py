@@ -153,7 +153,7 @@ def quantize(
     adapter = adapter_for(getattr(net.config, "model_type", "?"))
     stages = build_stages(net, adapter, recipe)
     fallbacks = report_fallbacks(stages, notify)
-    if batches is None and any(s.algorithm.needs_calibration for s in stages):
+    if batches is None and any(s.algorithm.needs_data() for s in stages):
         batches = _batches(recipe, dataset, tokenizer, source, adapter.needs_bos)
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     result = quantize_model(net, adapter, stages, batches, storage, progress, device=where.device)

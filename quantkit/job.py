@@ -262,7 +262,7 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
     batches = None
     scratch = ExitStack()
     activations = Activations()
-    if any(s.algorithm.needs_calibration for s in stages):
+    if any(s.algorithm.needs_data() for s in stages):
         batches = calibration_batches(source, recipe, adapter.needs_bos)
         if world.active:
             if len(batches) < world.size:

@@ -105,7 +105,7 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
         if algo_cls.produces_weights and scheme is None:
             raise QuantizationError(f"stage {i} ({spec.algorithm}) needs a scheme, e.g. `scheme: W4A16`")
         algorithm = algo_cls(algo_cls.Config.model_validate(spec.args), scheme)
-        if getattr(algo_cls, "observes_attention", False):  # layer-level (KV cache): no linear targets
+        if algo_cls.kind == "attention":  # layer-level (KV cache): no linear targets
             stages.append(Stage(i, spec, algorithm, []))
             continue
         names = select_linears(model, spec.targets, spec.ignore)
@@ -129,13 +129,13 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
     if not claimed and not any(_observes_attention(s) for s in stages):
         raise QuantizationError("the recipe's targets match no Linear module inside the decoder layers")
     for stage in stages:
-        if not stage.algorithm.produces_weights and not _observes_attention(stage):
+        if stage.algorithm.kind == "transform":
             _assign_later_schemes(stage, stages, claimed)
     return stages
 
 
 def _observes_attention(stage: Stage) -> bool:
-    return getattr(stage.algorithm, "observes_attention", False)
+    return stage.algorithm.kind == "attention"
 
 
 def _assign_later_schemes(stage: Stage, stages: list[Stage], claimed: dict[str, int]) -> None:
@@ -224,7 +224,7 @@ def quantize_model(
     after each layer is handed back to the store, with the next layer's inputs in `inputs`."""
     start = time.perf_counter()
     layers = adapter.layers(model)
-    needs_data = any(s.algorithm.needs_calibration for s in stages)
+    needs_data = any(s.algorithm.needs_data() for s in stages)
     if needs_data and not batches:
         raise QuantizationError("a stage needs calibration data but no calibration batches were given")
     result = result if result is not None else QuantizationResult()
@@ -294,7 +294,7 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
     prefix = f"{adapter.layers_path}.{li}."
     groups = _groups(names, adapter, prefix)
     algorithm = stage.algorithm
-    if not algorithm.produces_weights:
+    if algorithm.kind == "transform":
         ctx = LayerContext(layer, prefix, linears, {n: stage.schemes[n] for n in names},
                            inputs.hidden if inputs else [], inputs.kwargs[li] if inputs else [], adapter, scale_dtype)
         with result.phase(f"{stage.spec.algorithm}: transform"), all_experts_see_tokens(layer):
@@ -309,7 +309,7 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
     scheme_of = {n: stage.scheme_of(n) for n in names}
     algorithms = {sc: algorithm if sc == algorithm.scheme else algorithm.for_scheme(sc)
                   for sc in dict.fromkeys(scheme_of.values())}
-    if algorithm.needs_calibration:
+    if algorithm.needs_data():
         observe_time = [0.0]
 
         def observe(name: str, x: torch.Tensor) -> None:

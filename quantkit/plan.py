@@ -201,7 +201,7 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
                    if not name.startswith(prefix)), default=0)
 
     cal = recipe.calibration
-    calibrates = any(s.algorithm.needs_calibration for s in stages)
+    calibrates = any(s.algorithm.needs_data() for s in stages)
     tokens = cal.num_samples * (cal.seq_len + (1 if adapter.needs_bos else 0)) if calibrates else 0
     # nproc ranks (`quantkit.distributed`): each holds its share of the batches' activations
     batches = math.ceil(cal.num_samples / cal.batch_size)
@@ -306,7 +306,7 @@ def _estimate(stages, adapter, layers, linears, tokens, source_bytes, quantized_
     seconds = 2 * source_bytes / ASSUMED_READ_BYTES_PER_S + quantized_params / tp.rtn_weights
     for stage in stages:
         name = stage.spec.algorithm
-        if not stage.algorithm.needs_calibration:
+        if not stage.algorithm.needs_data():
             continue
         forward = 2 * layer_params * tokens * n_layers  # one layer forward over all calibration tokens
         seconds += 2 * forward / tp.matmul_flops  # calibration forward + next-inputs forward

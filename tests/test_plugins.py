@@ -80,3 +80,27 @@ def test_callable_entry_point_is_called(fake_dist):
         entry="toy = quantkit_test_plugin:register",
     )
     assert ARCHITECTURES.get("toy").model_type == "toy"
+
+
+def test_an_algorithm_declares_its_kind():
+    from quantkit.algorithms.base import Algorithm
+
+    assert {n: ALGORITHMS.get(n).kind for n in ("rtn", "gptq", "fp8", "awq", "kv_cache")} == {
+        "rtn": "weights", "gptq": "weights", "fp8": "weights", "awq": "transform", "kv_cache": "attention"}
+    assert [ALGORITHMS.get(n).produces_weights for n in ("rtn", "awq", "kv_cache")] == [True, False, False]
+
+    class OldStyle(Algorithm):  # a plugin written before `kind`
+        name = "old-style"
+        produces_weights = False
+
+    assert OldStyle.kind == "transform" and OldStyle.produces_weights is False
+    with pytest.raises(TypeError, match="kind 'weight' is not one of weights, transform, attention"):
+        type("Typo", (Algorithm,), {"name": "typo", "kind": "weight"})
+
+
+def test_whether_fp8_needs_data_follows_its_scheme():
+    from quantkit.schemes import resolve_scheme
+
+    fp8 = ALGORITHMS.get("fp8")
+    assert not fp8(fp8.Config(), resolve_scheme("FP8_DYNAMIC", {})).needs_data()
+    assert fp8(fp8.Config(), resolve_scheme("FP8", {})).needs_data()

@@ -65,8 +65,8 @@ class _Recorded:
 class AWQ(Algorithm):
     name = "awq"
     Config = AWQConfig
+    kind = "transform"
     needs_calibration = True
-    produces_weights = False
     config: AWQConfig
 
     @torch.no_grad()

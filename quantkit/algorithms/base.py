@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from abc import ABC
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Literal, Optional
 
 import torch
 from pydantic import ConfigDict
@@ -34,6 +34,10 @@ class LayerContext:
     scale_dtype: torch.dtype
 
 
+KINDS = ("weights", "transform", "attention")
+Kind = Literal["weights", "transform", "attention"]
+
+
 class AlgorithmConfig(StrictModel):
     """Base of every algorithm's `args`; unknown keys are errors, booleans are not numbers."""
 
@@ -49,18 +53,36 @@ class Algorithm(ABC):
     3. `quantize_layer(...)` returns the quantized weights of that layer's targeted linears;
        per-module figures it wants logged go into `self.report[name]`.
 
-    A transform (`produces_weights = False`, e.g. AWQ scaling) has no scheme of its own: the
-    pipeline gives it, per target, the scheme of the later stage that quantizes that target, and
-    calls `transform_layer(ctx)` instead of steps 1-3.
+    An algorithm declares its `kind`:
+    - "weights" (RTN, GPTQ, FP8): quantizes its target linears to its scheme (steps 1-3);
+    - "transform" (AWQ scaling): no scheme of its own; the pipeline gives it, per target, the scheme of
+      the later stage that quantizes that target, and calls `transform_layer(ctx)` instead of steps 1-3;
+    - "attention" (KV-cache scales): no linear targets and no scheme; after a layer's weights are
+      quantized, `calibrate_layer(...)` observes its attention's keys and values.
+    and whether it needs calibration data: `needs_calibration`, or `needs_data()` where that depends on
+    the stage's scheme (FP8 with static input scales does, dynamic FP8 does not).
     """
 
     name: ClassVar[str]
     Config: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
+    kind: ClassVar[Kind] = "weights"
     needs_calibration: ClassVar[bool] = False
-    produces_weights: ClassVar[bool] = True  # False for transforms that only rewrite float weights
+    produces_weights: ClassVar[bool] = True  # derived from kind (kind == "weights"); kept for readers
     supports_actorder: ClassVar[bool] = False  # may the scheme say actorder: static
     supports_int: ClassVar[bool] = True  # quantizes int schemes
     supports_fp8: ClassVar[bool] = False  # quantizes FP8 (e4m3) schemes
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "kind" not in cls.__dict__ and cls.__dict__.get("produces_weights") is False:
+            cls.kind = "transform"  # a plugin written before `kind`: produces_weights = False meant a transform
+        if cls.kind not in KINDS:
+            raise TypeError(f"algorithm {cls.__name__}: kind {cls.kind!r} is not one of {', '.join(KINDS)}")
+        cls.produces_weights = cls.kind == "weights"
+
+    def needs_data(self) -> bool:
+        """Whether this stage needs calibration data (for its scheme)."""
+        return self.needs_calibration
 
     def __init__(self, config: AlgorithmConfig, scheme: Optional[QuantScheme]):
         self.config = config

@@ -40,8 +40,10 @@ class FP8(Algorithm):
         super().__init__(config, scheme)
         if scheme is None or not scheme.is_fp8:
             raise QuantizationError("the fp8 stage needs an FP8 scheme: FP8_DYNAMIC, FP8, FP8_BLOCK or FP8_WEIGHT")
-        self.needs_calibration = scheme.has_static_input  # dynamic or weight-only: no calibration data at all
         self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed)
+
+    def needs_data(self) -> bool:
+        return self.scheme.has_static_input  # dynamic or weight-only: no calibration data at all
 
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
         self._inputs.clear()

@@ -10,7 +10,7 @@ buffers `k_scale` / `v_scale` on the layer's attention module, so they are expor
 from __future__ import annotations
 
 import inspect
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -31,9 +31,8 @@ class KVCacheConfig(AlgorithmConfig):
 class KVCacheScales(Algorithm):
     name = "kv_cache"
     Config = KVCacheConfig
+    kind = "attention"  # a layer-level stage: no linear targets, no scheme
     needs_calibration = True
-    produces_weights = False
-    observes_attention: ClassVar[bool] = True  # a layer-level stage: no linear targets, no scheme
     config: KVCacheConfig
 
     def scheme_config(self) -> dict:
