@@ -24,6 +24,7 @@ from torch import nn
 from quantkit import distributed
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig, LayerContext
 from quantkit.arch.adapter import ScaleGroup
+from quantkit.calibration.driver import drive_layer
 from quantkit.quant.awq import apply_clip, candidate_scales, clip_refine, clip_search, diagonal_blocks, fake_quantize, weight_magnitude
 from quantkit.quant.hessian import HessianAccumulator
 from quantkit.registry import ALGORITHMS
@@ -94,7 +95,6 @@ class AWQ(Algorithm):
         rec = _Recorded()
         stat_inputs = {leader[ctx.prefix + g.balance[0]] for g, _ in groups}
         keep = [True]
-        handles = []
 
         def input_hook(name: str):
             def hook(_module, args):
@@ -116,22 +116,19 @@ class AWQ(Algorithm):
                     rec.calls.setdefault(rel, []).append((args, kwargs, out.detach()))
             return hook
 
-        for name in stat_inputs | moment_inputs:
-            handles.append(ctx.linears[name].register_forward_pre_hook(input_hook(name)))
-        for rel in {g.parent for g, _ in groups}:
-            handles.append(ctx.layer.get_submodule(rel).register_forward_hook(parent_hook(rel), with_kwargs=True))
         world = distributed.current()
         # a distributed run: each rank keeps its share of the search samples (batches are dealt round-robin,
         # so the ranks' first samples together are the single process's first samples)
-        budget = -(-self.config.search_samples // world.size)
-        try:
-            for h, kw in zip(ctx.hidden, ctx.kwargs):
-                keep[0] = budget > 0
-                ctx.layer(h, **kw)
-                budget -= h.shape[0]
-        finally:
-            for handle in handles:
-                handle.remove()
+        budget = [-(-self.config.search_samples // world.size)]
+
+        def before_batch(_i: int, h: torch.Tensor) -> None:
+            keep[0] = budget[0] > 0
+            budget[0] -= h.shape[0]
+
+        drive_layer(ctx.layer, ctx.hidden, ctx.kwargs,
+                    pre_hooks=[(ctx.linears[name], input_hook(name)) for name in stat_inputs | moment_inputs],
+                    hooks=[(ctx.layer.get_submodule(rel), parent_hook(rel)) for rel in {g.parent for g, _ in groups}],
+                    before_batch=before_batch)
         if world.active:  # the statistics of every rank's batches
             for name in sorted(rec.abs_sum):
                 world.sum_(rec.abs_sum[name], f"AWQ {name}: input magnitudes")

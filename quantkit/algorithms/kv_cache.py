@@ -9,7 +9,6 @@ buffers `k_scale` / `v_scale` on the layer's attention module, so they are expor
 
 from __future__ import annotations
 
-import inspect
 from typing import Literal
 
 import torch
@@ -20,6 +19,7 @@ from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.errors import QuantizationError
 from quantkit.quant.fp8 import scale_from_absmax
 from quantkit.registry import ALGORITHMS
+from quantkit.calibration.driver import drive_layer
 from quantkit.qmodules.kv import KVObserver
 
 
@@ -49,10 +49,7 @@ class KVCacheScales(Algorithm):
                         scale_dtype: torch.dtype) -> dict:
         attn = layer.get_submodule(attention)
         observer = KVObserver()
-        key = "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
-        for h, kw in zip(hidden, kwargs):
-            kw = {k: v for k, v in kw.items() if k not in ("cache", "past_key_values", "use_cache")}
-            layer(h, **kw, **{key: observer})
+        drive_layer(layer, hidden, kwargs, cache=observer)
         idx = attn.layer_idx
         if idx not in observer.k_absmax:
             raise QuantizationError(f"kv_cache: layer {idx}'s attention never called its cache; "

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from quantkit.calibration.activations import Activations
+from quantkit.calibration.driver import drive_layer, without_cache
 from quantkit.devices import to_device
 
 
@@ -43,9 +44,7 @@ def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[
     def recorder(index: int):
         def forward(*args, **kw):
             h = args[0] if args else kw.pop("hidden_states")
-            kw = {k: v for k, v in kw.items() if k not in ("cache", "past_key_values", "past_key_value")}
-            kw["use_cache"] = False
-            kwargs[index].append(to_device(kw, device))
+            kwargs[index].append(to_device(without_cache(kw), device))
             if index == 0:
                 hidden.append(h.to(device))
             if index == last:
@@ -80,36 +79,13 @@ def observe_layer(
     Only the linears' inputs are wanted, so a batch's forward stops as soon as every one of them
     has seen it: what follows the last one (e.g. the down projection's matmul) never runs.
     """
-    seen: set[str] = set()
-
     def pre_hook(name: str):
-        def hook(_module, args):
-            observe(name, args[0])
-            seen.add(name)
-            if len(seen) == len(linears):
-                raise _StopForward
+        return lambda _module, args: observe(name, args[0])
 
-        return hook
-
-    handles = [lin.register_forward_pre_hook(pre_hook(name)) for name, lin in linears.items()]
-    try:
-        with torch.no_grad():
-            for h, kw in zip(hidden, kwargs):
-                seen.clear()
-                try:
-                    layer(h, **kw)
-                except _StopForward:
-                    pass
-    finally:
-        for handle in handles:
-            handle.remove()
+    drive_layer(layer, hidden, kwargs, pre_hooks=[(lin, pre_hook(name)) for name, lin in linears.items()],
+                stop_when_seen=list(linears.values()))
 
 
 def run_layer(layer: nn.Module, hidden: Iterable[torch.Tensor], kwargs: list[dict], into=None):
     """The layer's outputs for every batch, appended to `into` (a list by default) and returned."""
-    outs = [] if into is None else into
-    with torch.no_grad():
-        for h, kw in zip(hidden, kwargs):
-            out = layer(h, **kw)
-            outs.append(out[0] if isinstance(out, tuple) else out)
-    return outs
+    return drive_layer(layer, hidden, kwargs, outputs=[] if into is None else into)
