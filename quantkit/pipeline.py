@@ -96,7 +96,7 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
     layers_prefix = adapter.layers_path + "."
     for i, spec in enumerate(recipe.stages):
         algo_cls = catalog.algorithm(spec.algorithm)
-        scheme = spec.scheme.resolve() if spec.scheme is not None else None
+        scheme = spec.resolved_scheme()
         if not algo_cls.produces_weights and scheme is not None:
             raise QuantizationError(
                 f"stage {i} ({spec.algorithm}) takes no scheme: it prepares weights for the stage that "

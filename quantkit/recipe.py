@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, Field, PositiveInt, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, Field, PositiveInt, PrivateAttr, ValidationError, create_model, model_validator
 
 from quantkit.errors import QuantkitError, RecipeError
 from quantkit.paths import RECIPES_DIR
@@ -31,21 +31,8 @@ class _Strict(StrictModel):
     """Unknown keys are errors; booleans are not numbers."""
 
 
-class SchemeSpec(_Strict):
+class _SchemeSpecBase(_Strict):
     """A preset name and/or explicit fields; `scheme: W4A16` is shorthand for `{preset: W4A16}`."""
-
-    preset: Optional[str] = None
-    num_bits: Optional[int] = None
-    type: Optional[Literal["int", "float"]] = None
-    symmetric: Optional[bool] = None
-    strategy: Optional[Literal["channel", "group", "tensor", "block"]] = None
-    group_size: Optional[int] = None
-    block_structure: Optional[list[int]] = None
-    actorder: Optional[Literal["static"]] = None
-    input_activations: Optional[dict[str, Any]] = None  # FP8: {strategy: token} or {strategy: tensor, observer: mse}
-    observer: Optional[Literal["minmax", "mse"]] = None  # FP8 weight scales (see QuantScheme)
-    grid: Optional[Literal["q4_0", "q8_0"]] = None  # a GGUF grid (see QuantScheme; presets Q4_0, Q8_0)
-    scale_dtype: Optional[Literal["float16", "bfloat16", "float32"]] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -54,6 +41,21 @@ class SchemeSpec(_Strict):
 
     def resolve(self) -> QuantScheme:
         return resolve_scheme(self.preset, self.model_dump(exclude_unset=True, exclude={"preset"}))
+
+
+def _spec_field(name: str, annotation: Any) -> tuple:
+    if name == "input_activations":  # merged field by field with the preset's, then validated by QuantScheme
+        return (Optional[dict[str, Any]], None)
+    if name == "block_structure":
+        return (Optional[list[int]], None)
+    return (Optional[annotation], None)
+
+
+# The recipe's `scheme:` is QuantScheme's fields, each optional (a preset fills the rest), plus `preset`:
+# derived from QuantScheme so that a field added there is a recipe key at once.
+SchemeSpec = create_model(
+    "SchemeSpec", __base__=_SchemeSpecBase, preset=(Optional[str], None),
+    **{name: _spec_field(name, f.annotation) for name, f in QuantScheme.model_fields.items()})
 
 
 class CalibrationSpec(_Strict):
@@ -77,6 +79,13 @@ class StageSpec(_Strict):
     targets: list[str] = Field(default_factory=lambda: ["Linear"])  # class names, module names or "re:<regex>"
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     args: dict[str, Any] = Field(default_factory=dict)  # validated by the algorithm's own Config
+    _resolved: Optional[QuantScheme] = PrivateAttr(default=None)
+
+    def resolved_scheme(self) -> Optional[QuantScheme]:
+        """The stage's scheme with its preset merged in, resolved once (None for stages without one)."""
+        if self.scheme is not None and self._resolved is None:
+            self._resolved = self.scheme.resolve()
+        return self._resolved
 
 
 class Recipe(_Strict):
@@ -124,7 +133,7 @@ class Recipe(_Strict):
         at the top names the --set overrides that were applied."""
         data = self.model_dump(mode="json")
         for stage, spec in zip(data["stages"], self.stages):
-            stage["scheme"] = spec.scheme.resolve().model_dump(mode="json") if spec.scheme else None
+            stage["scheme"] = spec.resolved_scheme().model_dump(mode="json") if spec.scheme else None
             if stage.get("name") is None:
                 stage.pop("name", None)
         head = "".join(f"# --set {item}\n" for item in self._overrides)
@@ -219,7 +228,7 @@ def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
         raise RecipeError(f"recipe {label}: stages.{i}.scheme is required by algorithm {stage.algorithm!r}")
     if stage.scheme is not None:
         try:
-            scheme = stage.scheme.resolve()
+            scheme = stage.resolved_scheme()
         except (ValidationError, ValueError, QuantkitError) as exc:
             msg = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
             raise RecipeError(f"recipe {label}: stages.{i}.scheme: {msg}") from None
