@@ -84,7 +84,7 @@ def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, 
         print(f"  {phase:<42} {seconds:8.1f} s")
     out_size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
     live_line = f"; peak live allocations {(peak.peak - base) / 1e9:.2f} GB above the start" if live else ""
-    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB (sampled {peak.peak_rss / 1e9:.2f} GB)"
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.2f} GB (sampled {peak.peak_rss / 1e9:.2f} GB)"
           f"{live_line}")
     print(report.closing_line())
     print(f"checkpoint {out_size / 1e9:.2f} GB ({out_size / size:.3f} of the source)")
