@@ -41,7 +41,9 @@ def test_plan_from_config_alone_counts_the_parameters(config_only):
     # 4-bit codes plus one bf16 scale per 128 weights and an int64 shape pair per linear; the rest in bf16
     q = p.quantized_parameters
     assert p.checkpoint_bytes == q // 2 + (q // 128) * 2 + 16 * 7 * L + 2 * (sum(p.parameters.values()) - q)
-    assert p.kv_bytes_per_token == 2 * L * 8 * 128 * 2 and p.context == 8192
+    # the KV cache is kept in the compute dtype: bf16 where the policy chooses it, float32 on an AVX2 CPU
+    item = getattr(torch, p.compute_dtype).itemsize
+    assert p.kv_bytes_per_token == 2 * L * 8 * 128 * item and p.context == 8192
     # rtn: no calibration; the run's state and the output assembled from it
     assert p.disk_bytes == 2 * p.checkpoint_bytes and p.activation_bytes == 0
     assert 1e9 < p.peak_host_bytes < 4e9  # one layer, not the model (measured: 1.81 GB, issue 14's note)
