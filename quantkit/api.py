@@ -36,7 +36,7 @@ from quantkit.models.resolve import resolve_model
 from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_model
 from quantkit.quantization_config import build_quantization_config
 from quantkit.recipe import Recipe, load_recipe, stage_names
-from quantkit.runtime.loader import checkpoint_dtype, load, load_tokenizer
+from quantkit.runtime.loader import checkpoint_dtype, compute_choice, load, load_tokenizer
 from quantkit.version import __version__
 
 log = logging.getLogger(__name__)
@@ -228,11 +228,9 @@ def _recipe(recipe, overrides, dataset, num_samples, seq_len) -> Recipe:
 
 
 def _choose(storage: torch.dtype, where: devices.DeviceChoice, dtype, recipe: Recipe) -> compute.ComputeChoice:
-    if isinstance(dtype, torch.dtype):
-        return compute.ComputeChoice(dtype, str(where.device), f"dtype={str(dtype).removeprefix('torch.')}", "setting")
-    if dtype not in (None, "auto"):
-        return compute.choose(storage, where.device, str(dtype), "dtype")
-    return compute.choose(storage, where.device, recipe.calibration.dtype, "calibration.dtype")
+    if dtype in (None, "auto"):
+        return compute.choose(storage, where.device, recipe.calibration.dtype, "calibration.dtype")
+    return compute_choice(dtype, storage, where.device)  # as quantkit.load takes dtype=
 
 
 def _source_of(model: nn.Module) -> Optional[Path]:

@@ -57,7 +57,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     raw = read_config(path)
     qc = raw.get("quantization_config")
     plan = parse_quantization_config(qc, f"{path}/config.json") if qc else None
-    choice = _compute_choice(dtype, checkpoint_dtype(raw), where.device)
+    choice = compute_choice(dtype, checkpoint_dtype(raw), where.device)
     dtype = choice.dtype
     config = model_config(path, raw)
     if hasattr(config, "quantization_config"):
@@ -105,7 +105,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     return model
 
 
-def _compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype,
+def compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype,
                     device: torch.device) -> compute.ComputeChoice:
     if isinstance(dtype, torch.dtype):
         return compute.ComputeChoice(dtype, str(device), f"dtype={str(dtype).removeprefix('torch.')} asked for",
