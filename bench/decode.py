@@ -39,10 +39,8 @@ def main() -> None:
 
         compute.cpu_features = lambda: compute.CpuFeatures(args.policy_as, True)
 
-    import torch
-
     from quantkit.runtime.generate import generate
-    from quantkit.runtime.loader import load, load_tokenizer
+    from quantkit.loader import load, load_tokenizer
     from quantkit.runtime.sampling import SamplingParams
     from quantkit.runtime.speculative import speculative_generate
 

@@ -53,7 +53,7 @@ def main() -> None:
     import statistics
 
     from quantkit.eval.compare import score
-    from quantkit.runtime.loader import load
+    from quantkit.loader import load
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf.eval()

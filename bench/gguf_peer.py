@@ -42,7 +42,7 @@ def calibration_text(model: Path, out: Path) -> None:
     from quantkit.formats.checkpoint import read_config
     from quantkit.api import calibration_batches
     from quantkit.recipe import load_recipe
-    from quantkit.runtime.loader import load_tokenizer
+    from quantkit.loader import load_tokenizer
 
     recipe = load_recipe("gptq-q4_0")
     adapter = adapter_for(read_config(model)["model_type"])

@@ -75,10 +75,9 @@ def row(cells: list) -> str:
 
 
 def bench_cpu(shapes, ms, budget, dt):
-    import os
-
     from quantkit.kernels import cpu_int4
     from quantkit.qmodules.int_linear import PackedIntLinear
+    from quantkit.kernels.select import use_kernel
 
     d = str(dt).removeprefix("torch.")
     print(row(["model", "linear", "N x K", "M", "kernel", "us", "TFLOPS", "GB/s", f"{d} us", f"speedup vs {d}",
@@ -101,13 +100,13 @@ def bench_cpu(shapes, ms, budget, dt):
             if m == 1:
                 runs.append(("PackedIntLinear (torch path)", lambda: module(x)))
             for name, fn in runs:
-                os.environ["QUANTKIT_KERNEL"] = "torch" if "torch path" in name else "auto"
+                use_kernel(module, "torch" if "torch path" in name else "auto")
                 t = timed(fn, dev, budget)
                 moved = weight_bytes + act * m * (k + n)
                 print(row([model, linear, f"{n} x {k}", m, name, f"{t * 1e6:.0f}", f"{2 * m * n * k / t / 1e12:.3f}",
                            f"{moved / t / 1e9:.1f}", f"{t_bf16 * 1e6:.0f}", f"{t_bf16 / t:.2f}x",
                            "-" if t_mv is None else f"{t_mv * 1e6:.0f}", "-" if t_mv is None else f"{t_mv / t:.2f}x"]))
-            os.environ.pop("QUANTKIT_KERNEL", None)
+            use_kernel(module, None)
             sys.stdout.flush()
 
 

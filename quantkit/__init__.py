@@ -13,7 +13,7 @@ __all__ = ["quantize", "save", "load", "load_tokenizer", "__version__"]
 def __getattr__(name: str):
     # lazy, so that `quantkit --help` does not import torch and transformers
     if name in ("load", "load_tokenizer"):
-        from quantkit.runtime import loader
+        from quantkit import loader
 
         return getattr(loader, name)
     if name in ("quantize", "save"):

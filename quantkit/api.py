@@ -35,8 +35,8 @@ from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, read_config
 from quantkit.models.resolve import resolve_model
 from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_model
 from quantkit.quantization_config import build_quantization_config
-from quantkit.recipe import Recipe, load_recipe, stage_names
-from quantkit.runtime.loader import checkpoint_dtype, compute_choice, load, load_tokenizer
+from quantkit.recipe import Recipe, load_recipe
+from quantkit.loader import checkpoint_dtype, compute_choice, load, load_tokenizer
 from quantkit.version import __version__
 
 log = logging.getLogger(__name__)
@@ -140,12 +140,7 @@ def quantize(
         if any(p.is_floating_point() and p.dtype != choice.dtype for p in net.parameters()):
             net.to(choice.dtype)
     else:
-        source = resolve_model(str(model))
-        raw = read_config(source)
-        if raw.get("quantization_config"):
-            raise QuantizationError(f"{source} is already quantized "
-                                    f"({raw['quantization_config'].get('quant_method')}); quantize the original")
-        storage = checkpoint_dtype(raw)
+        source, _, storage = float_source(str(model))
         choice = _choose(storage, where, dtype, recipe)
         net = load(source, dtype=choice.dtype)
     notify(choice.describe())
@@ -181,10 +176,20 @@ def save(model: nn.Module, path: Union[str, Path], *, overwrite: bool = False,
         max_shard_bytes=max_shard_bytes)
 
 
+def float_source(model_spec: Optional[str]) -> tuple[Path, dict, torch.dtype]:
+    """The float checkpoint to quantize: (its directory, its config.json, its storage dtype); a
+    checkpoint that is already quantized is refused (quantizing it again would lose its scales)."""
+    source = resolve_model(model_spec)
+    raw = read_config(source)
+    if raw.get("quantization_config"):
+        raise QuantizationError(f"{source} is already quantized ({raw['quantization_config'].get('quant_method')}); "
+                                "quantize the original float checkpoint")
+    return source, raw, checkpoint_dtype(raw)
+
+
 def report_fallbacks(stages: list[Stage], notify: Callable[[str], None]) -> list[dict]:
     """One line per stage whose group size some layers get smaller, and the record for quantkit.json."""
     records = []
-    addresses = {i: n for n, i in stage_names([st.spec.model_dump() for st in stages]).items()}
     for st in stages:
         if not st.fallbacks:
             continue
@@ -196,7 +201,7 @@ def report_fallbacks(stages: list[Stage], notify: Callable[[str], None]) -> list
         for size, names in by_size.items():
             kinds = sorted({n.rpartition(".")[2] for n in names})
             notify(f"group_size {asked} does not divide the inputs of {len(names)} linear(s) ({', '.join(kinds)}): "
-                   f"those use group_size {size} (recorded in quantkit.json; --set stages.{addresses.get(st.index, st.index)}.scheme.group_size=N "
+                   f"those use group_size {size} (recorded in quantkit.json; --set stages.{st.address or st.index}.scheme.group_size=N "
                    "to choose one for all)")
     return records
 

@@ -18,7 +18,7 @@ from torch import nn
 from quantkit.version import __version__
 from quantkit import compute, devices, distributed
 from quantkit.catalog import adapter_for
-from quantkit.api import calibration_batches, report_fallbacks
+from quantkit.api import calibration_batches, float_source, report_fallbacks
 from quantkit.atomic import (atomic_output_dir, check_free_space, check_output_free, check_writable, clean_stale_for,
                              scratch_dir)
 from quantkit.calibration.activations import Activations, Budget
@@ -34,7 +34,7 @@ from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_
 from quantkit.recipe import Recipe
 from quantkit.onload import OnloadedModel, skeleton
 from quantkit import resume as resume_mod
-from quantkit.runtime.loader import checkpoint_dtype, load, model_config
+from quantkit.loader import checkpoint_dtype, load, model_config
 
 log = logging.getLogger(__name__)
 LOAD_MODES = ("layers", "whole")
@@ -223,19 +223,14 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
               activation_budget: Optional[int], memory_check: bool, resume: bool = False,
               restart: bool = False, world: distributed.World = distributed.World()) -> QuantizeReport:
     start = time.perf_counter()
-    source = resolve_model(model_spec)
+    source, raw, storage_dtype = float_source(model_spec)
     out = Path(output) if output else default_output(source, recipe)
     if world.is_writer:
         for line in clean_stale_for(out):
             notify(line)
         check_output_free(out, overwrite, protect=[source])  # before minutes of work, not after
         check_writable(out)
-    raw = read_config(source)
-    if raw.get("quantization_config"):
-        raise QuantizationError(f"{source} is already quantized ({raw['quantization_config'].get('quant_method')}); "
-                                "quantize the original float checkpoint")
     adapter = adapter_for(raw.get("model_type", "?"))
-    storage_dtype = checkpoint_dtype(raw)
     choice = compute.choose(storage_dtype, where.device, recipe.calibration.dtype, "calibration.dtype")
     notify(choice.describe())
     if load_mode == "whole":

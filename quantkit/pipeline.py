@@ -30,7 +30,6 @@ from quantkit.arch.moe import all_experts_see_tokens
 from quantkit.calibration.activations import Activations
 from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, observe_layer, run_layer
 from quantkit.errors import QuantizationError
-from quantkit import catalog
 from quantkit.catalog import format_for
 from quantkit.formats.base import QuantFormat
 from quantkit.memory import release_free_memory
@@ -59,6 +58,7 @@ class Stage:
     schemes: dict[str, QuantScheme] = field(default_factory=dict)  # transforms: the scheme each target gets later
     # quantizing stages: linears whose inputs the scheme's group size does not divide, with the smaller group they get
     fallbacks: dict[str, QuantScheme] = field(default_factory=dict)
+    address: str = ""  # how --set names the stage (`StagePlan.address`)
 
     def scheme_of(self, name: str) -> QuantScheme:
         """The scheme this (quantizing) stage gives linear `name`."""
@@ -94,9 +94,8 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
     """Instantiate each stage's algorithm and resolve its target modules, validating up front."""
     stages, claimed = [], {}
     layers_prefix = adapter.layers_path + "."
-    for i, spec in enumerate(recipe.stages):
-        algo_cls = catalog.algorithm(spec.algorithm)
-        scheme = spec.resolved_scheme()
+    for planned in recipe.plan:
+        i, spec, algo_cls, scheme = planned.index, planned.spec, planned.algorithm, planned.scheme
         if not algo_cls.produces_weights and scheme is not None:
             raise QuantizationError(
                 f"stage {i} ({spec.algorithm}) takes no scheme: it prepares weights for the stage that "
@@ -104,9 +103,9 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
             )
         if algo_cls.produces_weights and scheme is None:
             raise QuantizationError(f"stage {i} ({spec.algorithm}) needs a scheme, e.g. `scheme: W4A16`")
-        algorithm = algo_cls(algo_cls.Config.model_validate(spec.args), scheme)
+        algorithm = algo_cls(planned.config, scheme)
         if algo_cls.kind == "attention":  # layer-level (KV cache): no linear targets
-            stages.append(Stage(i, spec, algorithm, []))
+            stages.append(Stage(i, spec, algorithm, [], address=planned.address))
             continue
         names = select_linears(model, spec.targets, spec.ignore)
         outside = [n for n in names if not n.startswith(layers_prefix)]
@@ -125,7 +124,7 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
                     "make the stages' targets/ignore disjoint"
                 )
             claimed.update({n: i for n in names})
-        stages.append(Stage(i, spec, algorithm, names, fallbacks=fallbacks))
+        stages.append(Stage(i, spec, algorithm, names, fallbacks=fallbacks, address=planned.address))
     if not claimed and not any(_observes_attention(s) for s in stages):
         raise QuantizationError("the recipe's targets match no Linear module inside the decoder layers")
     for stage in stages:

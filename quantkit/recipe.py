@@ -3,6 +3,9 @@
 A recipe is data only: it is parsed with `yaml.safe_load` and validated by pydantic models
 that reject unknown keys, so nothing in a recipe can execute code.
 
+A validated recipe is resolved once into its plan (`Recipe.plan`): per stage the algorithm class,
+its validated config and its resolved scheme, which the pipeline and `recipe.yaml` consume.
+
 Overrides address a stage by index (`stages.0.scheme.group_size=64`) or by name
 (`stages.gptq.scheme.group_size=64`): a stage's name is its `name:` field, else its algorithm
 when no other stage of the recipe runs the same algorithm.
@@ -12,8 +15,9 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, Field, PositiveInt, PrivateAttr, ValidationError, create_model, model_validator
@@ -23,6 +27,9 @@ from quantkit.paths import RECIPES_DIR
 from quantkit import catalog
 from quantkit.schemes import QuantScheme, resolve_scheme
 from quantkit.validation import StrictModel
+
+if TYPE_CHECKING:
+    from quantkit.algorithms.base import Algorithm
 
 RECIPE_VERSION = 1
 
@@ -79,13 +86,18 @@ class StageSpec(_Strict):
     targets: list[str] = Field(default_factory=lambda: ["Linear"])  # class names, module names or "re:<regex>"
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     args: dict[str, Any] = Field(default_factory=dict)  # validated by the algorithm's own Config
-    _resolved: Optional[QuantScheme] = PrivateAttr(default=None)
 
-    def resolved_scheme(self) -> Optional[QuantScheme]:
-        """The stage's scheme with its preset merged in, resolved once (None for stages without one)."""
-        if self.scheme is not None and self._resolved is None:
-            self._resolved = self.scheme.resolve()
-        return self._resolved
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage, resolved: what the pipeline builds it from and `recipe.yaml` writes."""
+
+    index: int
+    address: str  # how overrides name it: its name where it has one, else its index
+    spec: StageSpec
+    algorithm: type["Algorithm"]
+    config: BaseModel  # the algorithm's Config, validated from spec.args
+    scheme: Optional[QuantScheme]  # spec.scheme with its preset merged in (None for stages without one)
 
 
 class Recipe(_Strict):
@@ -95,10 +107,19 @@ class Recipe(_Strict):
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
     stages: list[StageSpec] = Field(min_length=1)
     _overrides: list[str] = PrivateAttr(default_factory=list)  # the --set items applied, in order
+    _plan: tuple[StagePlan, ...] = PrivateAttr(default=())  # set by validate_recipe
 
     @property
     def overrides(self) -> list[str]:
         return list(self._overrides)
+
+    @property
+    def plan(self) -> tuple[StagePlan, ...]:
+        """Each stage resolved (algorithm class, validated config, scheme): made once, when the recipe
+        was validated."""
+        if len(self._plan) != len(self.stages):
+            raise RecipeError("this recipe was not validated (use load_recipe or validate_recipe)")
+        return self._plan
 
     def group_size_set(self, stage: int) -> bool:
         """Whether a --set override gave stage `stage`'s group size explicitly."""
@@ -116,8 +137,7 @@ class Recipe(_Strict):
 
     def stage_address(self, stage: int) -> str:
         """How overrides name stage `stage`: its name where it has one, else its index."""
-        by_index = {i: n for n, i in stage_names([s.model_dump() for s in self.stages]).items()}
-        return by_index.get(stage, str(stage))
+        return self.plan[stage].address
 
     def with_overrides(self, items: list[str]) -> "Recipe":
         """A copy with more `--set` items applied (validated as a recipe read from a file is)."""
@@ -132,8 +152,8 @@ class Recipe(_Strict):
         """The recipe with defaults filled in and schemes resolved to explicit fields; a comment
         at the top names the --set overrides that were applied."""
         data = self.model_dump(mode="json")
-        for stage, spec in zip(data["stages"], self.stages):
-            stage["scheme"] = spec.resolved_scheme().model_dump(mode="json") if spec.scheme else None
+        for stage, planned in zip(data["stages"], self.plan):
+            stage["scheme"] = planned.scheme.model_dump(mode="json") if planned.scheme is not None else None
             if stage.get("name") is None:
                 stage.pop("name", None)
         head = "".join(f"# --set {item}\n" for item in self._overrides)
@@ -183,8 +203,8 @@ def validate_recipe(raw: dict, label: str = "recipe") -> Recipe:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:
         raise RecipeError(_format_errors(label, exc, Recipe)) from None
-    for i, stage in enumerate(recipe.stages):
-        _validate_stage(label, i, stage)
+    names = {i: n for n, i in stage_names([st.model_dump() for st in recipe.stages]).items()}
+    recipe._plan = tuple(_plan_stage(label, i, stage, names.get(i, str(i))) for i, stage in enumerate(recipe.stages))
     seen: dict[str, int] = {}
     for i, stage in enumerate(recipe.stages):
         if stage.name is None:
@@ -213,7 +233,8 @@ def stage_names(stages: list) -> dict[str, int]:
     return out
 
 
-def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
+def _plan_stage(label: str, i: int, stage: StageSpec, address: str) -> StagePlan:
+    """Validate stage i and resolve it (the only place a recipe's scheme is resolved)."""
     if stage.algorithm not in catalog.algorithm_names():
         raise RecipeError(
             f"recipe {label}: stages.{i}.algorithm: unknown algorithm {stage.algorithm!r}; "
@@ -221,14 +242,15 @@ def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
         )
     algo = catalog.algorithm(stage.algorithm)
     try:
-        algo.Config.model_validate(stage.args)
+        config = algo.Config.model_validate(stage.args)
     except ValidationError as exc:
         raise RecipeError(_format_errors(label, exc, algo.Config, prefix=f"stages.{i}.args")) from None
     if algo.produces_weights and stage.scheme is None:
         raise RecipeError(f"recipe {label}: stages.{i}.scheme is required by algorithm {stage.algorithm!r}")
+    scheme = None
     if stage.scheme is not None:
         try:
-            scheme = stage.resolved_scheme()
+            scheme = stage.scheme.resolve()
         except (ValidationError, ValueError, QuantkitError) as exc:
             msg = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
             raise RecipeError(f"recipe {label}: stages.{i}.scheme: {msg}") from None
@@ -240,6 +262,7 @@ def _validate_stage(label: str, i: int, stage: StageSpec) -> None:
             raise RecipeError(
                 f"recipe {label}: stages.{i}: algorithm {stage.algorithm!r} does not quantize "
                 f"{'FP8' if scheme.is_fp8 else 'int'} schemes; algorithms that do: {', '.join(able)}")
+    return StagePlan(i, address, stage, algo, config, scheme)
 
 
 def _format_errors(label: str, exc: ValidationError, root: type[BaseModel], prefix: str = "") -> str:

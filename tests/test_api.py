@@ -114,7 +114,11 @@ def test_quantize_refuses_a_quantized_model_and_texts_without_tokenizer(tiny_lla
 
 @pytest.mark.slow
 def test_readme_example_runs(tmp_path, monkeypatch):
-    """The README's Python example, as written there, on the demo model (SmolLM2)."""
+    """The README's Python example, as written there, on the demo model (SmolLM2), fetched first as
+    the README says (on a fresh machine no earlier test may have fetched it)."""
+    from quantkit.models.demo import fetch
+
+    fetch("smollm2-135m")
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     block = re.search(r"```python\n(# Python API.*?)```", readme, re.S)
     assert block, "the README has no Python API example"

@@ -245,7 +245,7 @@ def test_a_bad_second_model_fails_before_the_first_is_scored(tiny_llama, tmp_pat
 
 
 def test_generation_options_fail_before_the_model_loads(tiny_llama, monkeypatch):
-    import quantkit.runtime.loader as loader
+    import quantkit.loader as loader
 
     monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded before the options were checked"))
     res = run("generate", tiny_llama, "hi", "--stop", "")

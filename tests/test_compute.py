@@ -123,7 +123,7 @@ def test_this_machine_gets_a_consistent_answer(monkeypatch):
 
 
 def test_load_uses_the_policy_and_records_it(tiny_llama, monkeypatch):
-    from quantkit.runtime.loader import load
+    from quantkit.loader import load
 
     monkeypatch.setenv(compute.ENV, "float32")
     model = load(tiny_llama)  # a bf16 checkpoint

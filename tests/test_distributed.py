@@ -131,7 +131,7 @@ def test_two_ranks_match_one_process(key, tiny_llama, single, two_ranks):
     assert same / total >= 0.99, f"{same / total:.4%} of the codes equal"
     from quantkit.calibration.data import load_text, tokenize
     from quantkit.eval.ppl import perplexity
-    from quantkit.runtime.loader import load, load_tokenizer
+    from quantkit.loader import load, load_tokenizer
 
     ids = tokenize(load_tokenizer(one), load_text("emma")[:20000])
     p1 = perplexity(load(one, dtype=torch.float32), ids, 64, 8).ppl

@@ -175,7 +175,7 @@ def test_find_original():
 # ---- bad input: refused before any weights are read ---------------------------------------------
 
 def test_bad_comparisons_are_refused_early(tiny_llama, rtn_llama, tmp_path, texts, tokenizer, monkeypatch):
-    import quantkit.runtime.loader as loader
+    import quantkit.loader as loader
 
     monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("weights read before the checks"))
     with pytest.raises(CheckpointError, match="same model"):

@@ -328,6 +328,8 @@ def test_dense_fp8_weights_are_kept_where_memory_allows(fp8_checkpoints, monkeyp
 
 
 def test_fp8_linear_triton_matches_emulation(monkeypatch):
+    from quantkit.kernels.select import use_kernel
+
     pytest.importorskip("triton")
     lin = torch.nn.Linear(96, 40)
     for preset in ("FP8_DYNAMIC", "FP8"):
@@ -336,9 +338,9 @@ def test_fp8_linear_triton_matches_emulation(monkeypatch):
         qw.scheme, qw.input_scale = scheme, torch.tensor([0.02], dtype=torch.bfloat16)
         mod = Fp8Linear.from_quantized(qw, lin.bias.data.to(torch.bfloat16))
         x = torch.randn(5, 96).to(torch.bfloat16)
-        monkeypatch.setenv("QUANTKIT_KERNEL", "torch")
+        use_kernel(mod, "torch")
         ref = mod(x)
-        monkeypatch.setenv("QUANTKIT_KERNEL", "triton")
+        use_kernel(mod, "triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         got = mod(x)
         assert mod.kernel == "triton"

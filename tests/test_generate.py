@@ -162,7 +162,8 @@ def test_lean_decode_step_matches_transformers_forward(tiny_models, tokenizer, a
     assert lean_decode.supports(model)
     ids = sample_ids(tokenizer, 1, 14)
     ours = _lean_logits(model, ids, 6).float()
-    assert all(f is not None for f in model._quantkit_fused[0] + model._quantkit_fused[1])  # the fused path ran
+    fused = model.quantkit_runtime.fused
+    assert all(f is not None for f in fused.qkv + fused.gate_up)  # the fused path ran
     ref = model(ids).logits[:, -6:].float()
     tol = 1e-4 if dtype == torch.float32 else 0.05 * float(ref.abs().max())
     assert (ours - ref).abs().max() < tol, float((ours - ref).abs().max())
@@ -178,7 +179,8 @@ def test_lean_decode_step_runs_packed_int4_modules(tiny_llama, tokenizer, draft_
     ids = sample_ids(tokenizer, 1, 12)
     ref = draft_model(ids).logits[:, -4:]
     ours = _lean_logits(draft_model, ids, 4)
-    qkv, gate_up = draft_model._quantkit_fused
+    fused = draft_model.quantkit_runtime.fused
+    qkv, gate_up = fused.qkv, fused.gate_up
     assert all(f is None for f in qkv) and all(isinstance(f[0], Int4PackedCPU) for f in gate_up)
     assert (ours - ref).abs().max() < 1e-4
     assert (draft_model(ids).logits[:, -4:] - ref).abs().max() == 0  # the modules, re-pointed, still agree
@@ -204,7 +206,7 @@ def test_lean_decode_fuses_int4_qkv_without_copying_weights(tokenizer, tmp_path)
     ref = model(ids).logits[:, -4:]
     ours = _lean_logits(model, ids, 4)
     assert (ours - ref).abs().max() < 1e-4
-    fused, _, sizes = model._quantkit_fused[0][0]
+    fused, _, sizes = model.quantkit_runtime.fused.qkv[0]
     assert isinstance(fused, Int4PackedCPU) and sizes == [64, 64, 64]
     attn = model.model.layers[0].self_attn
     starts = [m._prepared[2].packed.data_ptr() for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
@@ -367,3 +369,69 @@ def test_chat_keeps_the_conversation(tiny_llama, tmp_path, monkeypatch):
     assert [m["role"] for m in turns[0]] == ["system", "user"]
     assert [m["role"] for m in turns[1]] == ["system", "user", "assistant", "user"]
     assert turns[1][1]["content"] == "hello" and turns[1][3]["content"] == "and again"
+
+
+# -- the request state machine (runtime.request), shared by plain and speculative generation ----
+
+def test_request_finishes_on_end_token_stop_string_and_budget(tokenizer):
+    from quantkit.runtime.request import Request
+
+    prompt = tokenizer("It is a truth", add_special_tokens=False)["input_ids"]
+    words = tokenizer(" universally acknowledged that a single man", add_special_tokens=False)["input_ids"]
+    vocab, end = len(tokenizer), 2
+    # the budget: the third token finishes it with "length", and every token is kept
+    r = Request.start(tokenizer, prompt, SamplingParams(max_new_tokens=3), vocab, {end})
+    assert [r.commit(t) for t in words[:3]] == [False, False, True] and r.finish == "length"
+    assert r.tokens == words[:3] and r.complete(0.0).token_ids == words[:3]
+    # an end token finishes it with "stop" and is not kept (unless ignore_eos); a stop token id likewise
+    r = Request.start(tokenizer, prompt, SamplingParams(max_new_tokens=8), vocab, {end})
+    assert not r.commit(words[0]) and r.commit(end) and (r.finish, r.stop_reason, r.tokens) == ("stop", end, words[:1])
+    r = Request.start(tokenizer, prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), vocab, {end})
+    assert not r.commit(end) and r.tokens == [end]
+    r = Request.start(tokenizer, prompt, SamplingParams(max_new_tokens=8, stop_token_ids=(words[1],)), vocab, {end})
+    assert not r.commit(words[0]) and r.commit(words[1]) and r.stop_reason == words[1]
+    # a stop string: the text ends before it, nothing of it is streamed, and it is the stop reason
+    streamed = []
+    r = Request.start(tokenizer, prompt, SamplingParams(max_new_tokens=len(words), stop=("single",)), vocab, {end},
+                      emit=streamed.append)
+    for t in words:
+        if r.commit(t):
+            break
+    done = r.complete(0.0)
+    assert done.finish_reason == "stop" and done.stop_reason == "single"
+    assert "single" not in done.text and "".join(streamed) == done.text
+    assert done.text == tokenizer.decode(done.token_ids).split("single")[0] and done.text.strip()
+    # nothing finished it: complete() says "length" and releases the text held back for a possible stop string
+    text = tokenizer.decode(words[:4])
+    r = Request.start(tokenizer, prompt, SamplingParams(max_new_tokens=8, stop=(text[-2:] + "\x00",)), vocab, {end})
+    for t in words[:4]:
+        r.commit(t)
+    assert r.text == text[:-2]  # its last two characters could start the stop string
+    done = r.complete(0.0)
+    assert done.finish_reason == "length" and done.text == text
+
+
+def test_loaded_model_keeps_its_kernel_request_and_fused_weights(draft_model, tiny_llama, monkeypatch, tmp_path):
+    """QUANTKIT_KERNEL is read when the model is loaded, not per forward; use_kernel changes it. The
+    lean step's fused projections live in the model's runtime state and are made once."""
+    from quantkit.kernels.select import use_kernel
+    from quantkit.qmodules.int_linear import PackedIntLinear
+
+    source = draft_model.quantkit_source
+    monkeypatch.setenv("QUANTKIT_KERNEL", "torch")
+    model = quantkit.load(source, dtype=torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, PackedIntLinear)]
+    assert model.quantkit_runtime.kernel == "torch" and all(m.kernel_request == "torch" for m in linears)
+    monkeypatch.setenv("QUANTKIT_KERNEL", "cpu")  # too late for this model
+    ids = torch.tensor([[5, 6, 7, 8]])
+    ref = model(ids).logits
+    assert {m.kernel for m in linears} == {"torch"}
+    assert use_kernel(model, "auto") == len(linears)
+    assert torch.allclose(model(ids).logits, ref, atol=1e-4) and {m.kernel for m in linears} == {"cpu"}
+    monkeypatch.delenv("QUANTKIT_KERNEL")
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    tok = quantkit.load_tokenizer(source)
+    first = generate(model, tok, [5, 6, 7], params)
+    fused = model.quantkit_runtime.fused
+    assert fused is not None and generate(model, tok, [5, 6, 7], params).token_ids == first.token_ids
+    assert model.quantkit_runtime.fused is fused  # not made again

@@ -25,7 +25,7 @@ from quantkit.gguf.metadata import row_order  # noqa: E402
 from quantkit.quant.intq import compute_qparams, rtn  # noqa: E402
 from quantkit.job import quantize  # noqa: E402
 from quantkit.recipe import load_recipe  # noqa: E402
-from quantkit.runtime.loader import load  # noqa: E402
+from quantkit.loader import load  # noqa: E402
 from quantkit.schemes import PRESETS, QuantScheme, resolve_scheme  # noqa: E402
 
 from conftest import make_tiny_model  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 
 from quantkit.errors import KernelError
 from quantkit.kernels import cpu_int4, reference
-from quantkit.kernels.select import choose_int_kernel
+from quantkit.kernels.select import choose_int_kernel, use_kernel
 from quantkit.quant.intq import QuantizedWeight
 from quantkit.quant.packing import pack_int32
 from quantkit.qmodules.int_linear import PackedIntLinear
@@ -279,12 +279,12 @@ def test_choice_logic(monkeypatch):
 def test_packed_linear_gives_the_same_result_on_every_kernel(monkeypatch, scheme):
     lin = _packed_linear(48, 256, scheme)
     x = torch.randn(3, 5, 256, dtype=torch.bfloat16)
-    monkeypatch.setenv("QUANTKIT_KERNEL", "torch")
+    use_kernel(lin, "torch")
     ref = lin(x)
     assert lin.kernel == "torch"
     outputs = {}
     for kernel in ("cpu", "triton"):
-        monkeypatch.setenv("QUANTKIT_KERNEL", kernel)
+        use_kernel(lin, kernel)
         outputs[kernel] = lin(x)
         assert lin.kernel == kernel
         assert outputs[kernel].shape == ref.shape
@@ -293,12 +293,12 @@ def test_packed_linear_gives_the_same_result_on_every_kernel(monkeypatch, scheme
     from quantkit.kernels.cpu_int4 import MAX_TOKENS
 
     many = torch.randn(MAX_TOKENS + 40, 256, dtype=torch.bfloat16)
-    monkeypatch.setenv("QUANTKIT_KERNEL", "torch")
+    use_kernel(lin, "torch")
     ref_many = lin(many)
-    monkeypatch.setenv("QUANTKIT_KERNEL", "cpu")
+    use_kernel(lin, "cpu")
     _close(lin(many), ref_many.float())
     # the repacked weight is cached per (device, dtype, weight version); loading new weights invalidates it
-    monkeypatch.setenv("QUANTKIT_KERNEL", "cpu")
+    use_kernel(lin, "cpu")
     lin(x)
     cached = lin._prepared
     lin(x)

@@ -19,7 +19,7 @@ from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 from quantkit.runtime import offload
 from quantkit.runtime.generate import generate
-from quantkit.runtime.loader import load_tokenizer
+from quantkit.loader import load_tokenizer
 from quantkit.runtime.sampling import SamplingParams
 
 from helpers import sample_ids

@@ -153,3 +153,29 @@ def test_unknown_and_bad_stage_names():
     numeric = {"stages": [{**TWO_RTN["stages"][0], "name": "1"}]}
     with pytest.raises(RecipeError, match=r"stages.0.name '1': a name is a word"):
         validate_recipe(numeric)
+
+
+def test_a_recipe_is_resolved_once_into_its_plan(tiny_llama):
+    """Recipe.plan: per stage the algorithm class, its validated config and the resolved scheme, made
+    when the recipe is validated; the pipeline builds its stages from it and recipe.yaml writes it."""
+    import torch
+
+    import quantkit
+    from quantkit.algorithms.awq import AWQ
+    from quantkit.algorithms.rtn import RTN
+    from quantkit.catalog import adapter_for
+    from quantkit.pipeline import build_stages
+    from quantkit.recipe import Recipe
+
+    recipe = load_recipe("awq-w4a16", ["stages.rtn.scheme.group_size=32", "stages.awq.args.n_grid=7"])
+    awq, rtn = recipe.plan
+    assert (awq.algorithm, rtn.algorithm) == (AWQ, RTN) and (awq.address, rtn.address) == ("awq", "rtn")
+    assert awq.scheme is None and awq.config.n_grid == 7
+    assert rtn.scheme == rtn.spec.scheme.resolve() and rtn.scheme.group_size == 32
+    assert yaml.safe_load(recipe.to_yaml())["stages"][1]["scheme"] == rtn.scheme.model_dump(mode="json")
+    model = quantkit.load(tiny_llama, dtype=torch.float32)
+    stages = build_stages(model, adapter_for("llama"), recipe)
+    assert stages[0].algorithm.config is awq.config and stages[1].algorithm.scheme is rtn.scheme
+    assert [s.address for s in stages] == ["awq", "rtn"]
+    with pytest.raises(RecipeError, match="was not validated"):
+        Recipe.model_construct(stages=recipe.stages).plan

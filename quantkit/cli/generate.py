@@ -56,7 +56,7 @@ class Runner:
     """A loaded model (and optional draft) that generates with the CLI's options and prints metrics."""
 
     def __init__(self, model_spec, opts: dict, params=None):
-        from quantkit.runtime.loader import load, load_tokenizer
+        from quantkit.loader import load, load_tokenizer
 
         params = params or _params(opts)  # bad options fail before minutes of loading
         from quantkit.devices import resolve

@@ -139,7 +139,7 @@ def prepare(original: str, checkpoints: list[str], datasets: list[str], seq_len:
             dtype: str = "auto") -> tuple[list[Subject], list[Text], Optional[int]]:
     """Check everything that needs no weights; returns the subjects, the tokenized texts and the BOS id."""
     from quantkit.catalog import needs_bos as family_needs_bos
-    from quantkit.runtime.loader import load_tokenizer
+    from quantkit.loader import load_tokenizer
 
     if not datasets:
         raise CalibrationDataError("no dataset to evaluate on; pass --dataset NAME (emma, persuasion or a file)")
@@ -269,7 +269,7 @@ def evaluate(original: str, checkpoints: list[str], datasets: list[str], seq_len
     from tqdm.auto import tqdm
 
     from quantkit.devices import resolve
-    from quantkit.runtime.loader import load
+    from quantkit.loader import load
     from quantkit.runtime.offload import choose
 
     resolve(device)  # a missing device or a bad mode fails before any text is read

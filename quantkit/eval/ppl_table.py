@@ -37,7 +37,7 @@ def prepare(model_spec: str, text: str, seq_len: int, max_windows: Optional[int]
     """Resolve `model_spec`, read its config and tokenizer, tokenize `text` and check the windows."""
     from quantkit.formats.checkpoint import read_config
     from quantkit.models.resolve import resolve_model
-    from quantkit.runtime.loader import load_tokenizer
+    from quantkit.loader import load_tokenizer
 
     path = resolve_model(model_spec)
     raw = read_config(path)
@@ -63,7 +63,7 @@ def evaluate_one(model_spec: str, text: str, seq_len: int, max_windows: Optional
                  prepared: Optional[Prepared] = None, device: str = "cpu", offload: str = "none") -> dict:
     """One model's row. dtype: float32 (the protocol) or another compute dtype / "auto" (`quantkit.compute`).
     A non-finite perplexity gives ppl None and an `error` saying so."""
-    from quantkit.runtime.loader import load
+    from quantkit.loader import load
 
     p = prepared or prepare(model_spec, text, seq_len, max_windows, min_tokens=1)
     model = load(p.path, dtype=dtype, device=device, offload=offload)

@@ -89,7 +89,7 @@ def greedy_side_by_side(specs: list[str], prompts: Sequence[str], max_new_tokens
     import gc
 
     from quantkit.runtime.generate import generate_batch
-    from quantkit.runtime.loader import load, load_tokenizer
+    from quantkit.loader import load, load_tokenizer
     from quantkit.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens)

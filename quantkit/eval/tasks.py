@@ -45,7 +45,7 @@ class QuantkitLM(TemplateLM):
     def __init__(self, model, tokenizer, batch_size: int = 1, max_length: Optional[int] = None,
                  add_bos: bool = False, kv_cache_dtype: Optional[str] = None):
         super().__init__()
-        from quantkit.runtime.generate import context_limit
+        from quantkit.runtime.request import context_limit
 
         self.model, self.tokenizer = model, tokenizer
         self.batch_size = batch_size
@@ -161,7 +161,7 @@ def run(model_spec: str, tasks: list[str], limit: Optional[float] = None, batch_
     from quantkit.formats.checkpoint import read_config
     from quantkit.models.resolve import resolve_model
     from quantkit.catalog import needs_bos
-    from quantkit.runtime.loader import load, load_tokenizer
+    from quantkit.loader import load, load_tokenizer
 
     if not tasks:
         raise TaskError("no task given; pass --tasks NAME[,NAME] (shipped: "

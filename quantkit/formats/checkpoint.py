@@ -121,6 +121,15 @@ class _StreamedShard:
         os.unlink(self.data_path)
 
 
+def checkpoint_dtype(config: dict) -> torch.dtype:
+    """The dtype a checkpoint stores its float tensors in (config.json's dtype / torch_dtype)."""
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"config.json: unsupported dtype {name!r}")
+    return dtype
+
+
 def _copy_range(src, out, start: int, nbytes: int, chunk: int = 64 << 20) -> None:
     src.seek(start)
     while nbytes:

@@ -1,6 +1,10 @@
 """Which matmul a quantized linear runs: the fastest that can run here, or the one forced by
 `QUANTKIT_KERNEL` (triton | cpu | torch; unset or `auto` chooses).
 
+The variable is read once, when a model is loaded (or a quantized module is made): each module
+keeps its `kernel_request`, and `use_kernel(model, name)` changes it afterwards; nothing reads
+the environment per forward.
+
 - `triton`: CUDA tensors, 4-bit weights, triton importable, compute capability >= 8.0 (bf16
   tensor cores). Also allowed on CPU tensors under TRITON_INTERPRET=1 (tests).
 - `cpu`: CPU tensors, 4-bit weights whose groups the int4 op supports (`kernels.cpu_int4`).
@@ -17,6 +21,7 @@ import os
 from typing import Optional
 
 import torch
+from torch import nn
 
 from quantkit.errors import KernelError
 from quantkit.kernels import cpu_int4
@@ -25,14 +30,34 @@ ENV = "QUANTKIT_KERNEL"
 KERNELS = ("triton", "cpu", "torch")
 
 
+_FROM_ENV = object()  # choose_int_kernel's default: the kernel QUANTKIT_KERNEL names now
+
+
 def forced_kernel() -> Optional[str]:
     """The kernel named by QUANTKIT_KERNEL, or None for the automatic choice."""
-    value = os.environ.get(ENV, "").strip().lower()
+    return kernel_name(os.environ.get(ENV, ""))
+
+
+def kernel_name(value: Optional[str]) -> Optional[str]:
+    """A kernel request (`auto`, empty or None: the automatic choice, returned as None), checked."""
+    value = (value or "").strip().lower()
     if value in ("", "auto"):
         return None
     if value not in KERNELS:
         raise KernelError(f"{ENV}={value!r} names no kernel; use one of: auto, {', '.join(KERNELS)}")
     return value
+
+
+def use_kernel(model: nn.Module, name: Optional[str]) -> int:
+    """Make every quantized linear of `model` (or `model` itself) request kernel `name` (None or
+    `auto`: the automatic choice) from its next forward on. Returns how many modules changed."""
+    request = kernel_name(name)
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "kernel_request"):
+            module.kernel_request = request
+            count += 1
+    return count
 
 
 def interpreting() -> bool:
@@ -66,14 +91,16 @@ def cpu_unsupported_reason(device: torch.device, num_bits: int, in_features: int
     return cpu_int4.unsupported_reason(num_bits, in_features, group_size)
 
 
-def choose_int_kernel(device: torch.device, num_bits: int, in_features: int, group_size: int) -> str:
-    """The kernel for an integer-weight linear on `device` (group_size = in_features when per channel)."""
+def choose_int_kernel(device: torch.device, num_bits: int, in_features: int, group_size: int,
+                      forced=_FROM_ENV) -> str:
+    """The kernel for an integer-weight linear on `device` (group_size = in_features when per channel);
+    `forced`: the module's kernel request (None: automatic), by default what QUANTKIT_KERNEL says now."""
     reasons = {
         "triton": lambda: triton_unsupported_reason(device, num_bits),
         "cpu": lambda: cpu_unsupported_reason(device, num_bits, in_features, group_size),
         "torch": lambda: None,
     }
-    forced = forced_kernel()
+    forced = forced_kernel() if forced is _FROM_ENV else forced
     if forced is not None:
         reason = reasons[forced]()
         if reason is not None:

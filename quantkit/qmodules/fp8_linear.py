@@ -57,6 +57,7 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=scale_dtype, device=device), requires_grad=False) if bias else None
         self.keep_dense = False  # emulation: keep the dequantized weight between forwards
         self._dense: Optional[tuple[tuple, torch.Tensor]] = None  # (key, weight) when kept
+        self.kernel_request: Optional[str] = forced_kernel()  # as PackedIntLinear's: read once, not per forward
 
     @classmethod
     def from_quantized(cls, qw: Fp8Weight, bias: Optional[torch.Tensor]) -> "Fp8Linear":
@@ -78,7 +79,7 @@ class Fp8Linear(nn.Module):
         return self._choose(self.weight.device)
 
     def _choose(self, device: torch.device) -> str:
-        forced = forced_kernel()
+        forced = self.kernel_request
         usable = self.scheme.strategy != "block" and self.scheme.input_activations is not None
         reason = triton_device_reason(device) if usable else "block weights / weight-only FP8 run emulated"
         if forced == "triton" and reason:

@@ -51,6 +51,9 @@ class PackedIntLinear(nn.Module):
         # float32 inputs may run the CPU int4 op in bf16 where that is faster (`cpu_int4.op_dtype`): set by
         # the loader when float32 is the machine's automatic choice, never when float32 was asked for
         self.fast_activations = False
+        # the kernel asked for (None: automatic): QUANTKIT_KERNEL as it was when the module was made; the loader
+        # sets it once per model, `kernels.select.use_kernel` changes it
+        self.kernel_request: Optional[str] = forced_kernel()
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: Optional[torch.Tensor]) -> "PackedIntLinear":
@@ -89,14 +92,15 @@ class PackedIntLinear(nn.Module):
 
     def prepare(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> str:
         """Choose the kernel for inputs on `device` in `dtype` and repack the weight for it (once per
-        device, dtype, weight version and QUANTKIT_KERNEL value). Returns the kernel's name."""
+        device, dtype, weight version and kernel request). Returns the kernel's name."""
         device = torch.device(device) if device is not None else self.weight_packed.device
         dtype = dtype or self.weight_scale.dtype
-        key = (forced_kernel(), device, dtype, self.fast_activations, self.weight_packed._version, self.weight_scale._version,
+        key = (self.kernel_request, device, dtype, self.fast_activations, self.weight_packed._version, self.weight_scale._version,
                None if self.weight_zero_point is None else self.weight_zero_point._version)
         if self._prepared is not None and self._prepared[0] == key:
             return self._prepared[1]
-        name = choose_int_kernel(device, self.scheme.num_bits, self.in_features, self.kernel_group_size)
+        name = choose_int_kernel(device, self.scheme.num_bits, self.in_features, self.kernel_group_size,
+                                 self.kernel_request)
         packed = None
         if name == "cpu":
             op = cpu_int4.op_dtype(dtype) if self.fast_activations else dtype

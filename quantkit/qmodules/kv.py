@@ -9,6 +9,7 @@ of the runtime (`quantkit.runtime.kv_cache`) stand there when a model runs.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 class KVObserver:
@@ -32,3 +33,13 @@ class KVObserver:
 def head_view(scale: torch.Tensor) -> torch.Tensor:
     """A [1] or [heads] scale broadcast against [batch, heads, seq, dim]."""
     return scale.float().reshape(1, -1, 1, 1)
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """layer_idx -> attention module, for every module with a `layer_idx` and k/v projections."""
+    found = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and hasattr(module, "k_proj") and hasattr(module, "v_proj"):
+            found[idx] = module
+    return found

@@ -1,5 +1,8 @@
 """The generate loop: batched prefill, then token-by-token decode with a preallocated KV cache.
 
+`generate_batch` builds the batch, prefills it and decodes; each request is a
+`runtime.request.Request`, the state machine it shares with speculative decoding.
+
 Prompts of different lengths are left-padded into one batch (attention mask and position ids
 make every row see only its own tokens). The cache is a transformers `StaticCache` sized to
 prompt + new tokens (or the FP8 variant, `runtime.kv_cache`), so decoding allocates nothing per
@@ -13,68 +16,69 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from quantkit.runtime.detokenize import IncrementalDetokenizer
 from quantkit.runtime import lean_decode
 from quantkit.runtime.kv_cache import Fp8StaticCache, make_cache
-from quantkit.runtime.sampling import SamplingParams, TokenHistory, sample
-from quantkit.runtime.stopping import StopStringMatcher
+from quantkit.runtime.request import Completion, Request, context_limit, end_token_ids, request_generator
+from quantkit.runtime.sampling import SamplingParams
+
+__all__ = ["Completion", "context_limit", "end_token_ids", "generate", "generate_batch"]
 
 log = logging.getLogger(__name__)
-END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 
 
 @dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (end token or stop string) or "length"
-    prompt_tokens: int
-    ttft_seconds: float  # prefill + first token
-    decode_seconds: float  # first token -> last token
-    stop_reason: Optional[Union[int, str]] = None  # the end token id or stop string that finished it
+class _Batch:
+    """Left-padded prompts: ids [B, width], and mask / positions [B, width + steps] for every slot."""
 
-    @property
-    def decode_tokens_per_second(self) -> float:
-        n = len(self.token_ids) - 1
-        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else float("nan")
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    width: int
+    steps: int
 
 
-def end_token_ids(model: nn.Module, tokenizer) -> set[int]:
-    """EOS ids of the tokenizer and generation config, plus chat end-of-turn tokens in the vocab."""
-    ids: set[int] = set()
-    for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        ids |= set(source if isinstance(source, (list, tuple)) else [source]) - {None}
-    vocab = tokenizer.get_vocab()
-    ids |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
-    return ids
+def _build_batch(prompts: list[list[int]], steps: int, pad: int, device: torch.device) -> _Batch:
+    b, width = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((b, width), pad, dtype=torch.long)
+    mask = torch.ones((b, width + steps), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, : width - len(p)] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return _Batch(input_ids.to(device), mask.to(device), positions.to(device), width, steps)
 
 
-def context_limit(model: nn.Module) -> int:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(getattr(cfg, "max_position_embeddings", 1 << 30))
+class _Forward:
+    """The model's prefill and decode steps over one cache: the lean step where the architecture
+    has one (`runtime.lean_decode`), else transformers' forward; logits of the last position only."""
 
+    def __init__(self, model: nn.Module, cache):
+        self.model, self.cache = model, cache
+        self.lean = lean_decode.LeanDecoder(model, cache, cache.scales if isinstance(cache, Fp8StaticCache) else None) \
+            if lean_decode.supports(model) else None
 
-@dataclass
-class _Request:
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    history: TokenHistory
-    detok: IncrementalDetokenizer
-    stopper: StopStringMatcher
-    generator: Optional[torch.Generator]
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    finish: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
+    def prefill(self, batch: _Batch) -> torch.Tensor:
+        w = batch.width
+        inputs = dict(input_ids=batch.input_ids, attention_mask=batch.mask[:, :w], position_ids=batch.positions[:, :w],
+                      cache=self.cache, use_cache=True)
+        if self.lean is not None:  # the head on the last position only, through the lean step's GEMV
+            return self.lean.logits(self.model.model(**inputs).last_hidden_state[:, -1])
+        return self.model(**inputs, logits_to_keep=1).logits[:, -1]
+
+    def step(self, ids: torch.Tensor, batch: _Batch, t: int) -> torch.Tensor:
+        """ids [B, 1] at decode step t (cache slot width + t)."""
+        slot = batch.width + t
+        positions, mask = batch.positions[:, slot : slot + 1], batch.mask[:, : slot + 1]
+        if self.lean is not None:
+            return self.lean.step(ids, slot, positions, mask)
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                          use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
 @torch.no_grad()
@@ -98,82 +102,33 @@ def generate_batch(model: nn.Module, tokenizer, prompts: Sequence[Sequence[int]]
     ends = end_token_ids(model, tokenizer)
     vocab = model.get_output_embeddings().weight.shape[0]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(ends), 0)
-    reqs = [_Request(i, p, pr, TokenHistory(vocab, p), IncrementalDetokenizer(tokenizer, p), StopStringMatcher(pr.stop),
-                     None if pr.greedy else torch.Generator().manual_seed(pr.seed if pr.seed is not None
-                                                                          else int(torch.seed() % (1 << 62))))
+    reqs = [Request.start(tokenizer, p, pr, vocab, ends, emit=_stream(on_text, i), generator=request_generator(pr))
             for i, (p, pr) in enumerate(zip(prompts, plist))]
-
-    b, total = len(prompts), width + steps
-    device = next(model.parameters()).device
-    input_ids = torch.full((b, width), pad, dtype=torch.long)
-    mask = torch.ones((b, total), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, : width - len(p)] = 0
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    input_ids, mask, positions = input_ids.to(device), mask.to(device), positions.to(device)
-    cache = make_cache(model, kv_cache_dtype, max_cache_len=total)
-
-    lean = lean_decode.LeanDecoder(model, cache, cache.scales if isinstance(cache, Fp8StaticCache) else None) \
-        if lean_decode.supports(model) else None
+    batch = _build_batch(prompts, steps, pad, next(model.parameters()).device)
+    forward = _Forward(model, make_cache(model, kv_cache_dtype, max_cache_len=width + steps))
     start = time.perf_counter()
-    prefill = dict(input_ids=input_ids, attention_mask=mask[:, :width], position_ids=positions[:, :width],
-                   cache=cache, use_cache=True)
-    if lean is not None:  # the head on the last position only, through the lean step's GEMV
-        logits = lean.logits(model.model(**prefill).last_hidden_state[:, -1])
-    else:
-        logits = model(**prefill, logits_to_keep=1).logits[:, -1]
-    for t in range(steps):
+    _decode(forward, batch, reqs, forward.prefill(batch), pad)
+    return [r.complete(start) for r in reqs]
+
+
+def _decode(forward: _Forward, batch: _Batch, reqs: list[Request], logits: torch.Tensor, pad: int) -> None:
+    """Sample and commit a token for every unfinished request, then step the batch, until every
+    request is finished or the steps run out (finished rows keep stepping on the pad token)."""
+    device = batch.input_ids.device
+    for t in range(batch.steps):
         logits = logits.float().cpu()
-        now = time.perf_counter()
-        next_ids = []
-        for r in reqs:
-            if r.finish is None:
-                _step(r, logits[r.index], ends, now, on_text)
-            next_ids.append(r.tokens[-1] if r.tokens else pad)
-        if all(r.finish is not None for r in reqs) or t == steps - 1:
-            break
-        step_ids = torch.tensor(next_ids, device=device).unsqueeze(1)
-        if lean is not None:
-            logits = lean.step(step_ids, width + t, positions[:, width + t : width + t + 1], mask[:, : width + t + 1])
-        else:
-            logits = model(input_ids=step_ids, attention_mask=mask[:, : width + t + 1],
-                           position_ids=positions[:, width + t : width + t + 1], cache=cache, use_cache=True,
-                           logits_to_keep=1).logits[:, -1]
-    results = []
-    for r in reqs:
-        if r.finish is None:
-            r.finish = "length"
-        tail = r.stopper.flush()
-        if tail:
-            r.text += tail
-            if on_text:
-                on_text(r.index, tail)
-        results.append(Completion(r.text, r.tokens, r.finish, len(r.prompt), r.first_token_at - start,
-                                  r.last_token_at - r.first_token_at, r.stop_reason))
-    return results
+        ready = time.perf_counter()
+        for i, r in enumerate(reqs):
+            if not r.done:
+                r.commit(r.sample(logits[i]), ready)
+        if all(r.done for r in reqs) or t == batch.steps - 1:
+            return
+        ids = torch.tensor([r.tokens[-1] if r.tokens else pad for r in reqs], device=device).unsqueeze(1)
+        logits = forward.step(ids, batch, t)
 
 
-def _step(r: _Request, logits: torch.Tensor, ends: set[int], now: float, on_text) -> None:
-    token = sample(logits, r.params, r.history.seen, r.history.counts, r.generator)
-    if not r.tokens:
-        r.first_token_at = now
-    r.last_token_at = time.perf_counter()
-    if (token in ends and not r.params.ignore_eos) or token in r.params.stop_token_ids:
-        r.finish, r.stop_reason = "stop", token
-        return
-    r.tokens.append(token)
-    r.history.add(token)
-    emitted = r.stopper.feed(r.detok.add(token))
-    if emitted:
-        r.text += emitted
-        if on_text:
-            on_text(r.index, emitted)
-    if r.stopper.stopped:
-        r.finish = "stop"
-        r.stop_reason = next(s for s in r.params.stop if s in r.detok.text)
-    elif len(r.tokens) >= r.params.max_new_tokens:
-        r.finish = "length"
+def _stream(on_text: Optional[Callable[[int, str], None]], index: int) -> Optional[Callable[[str], None]]:
+    return None if on_text is None else (lambda text: on_text(index, text))
 
 
 def generate(model: nn.Module, tokenizer, prompt_ids: Sequence[int], params: SamplingParams,

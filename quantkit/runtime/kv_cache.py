@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, StaticCache
 
-from quantkit.qmodules.kv import head_view
+from quantkit.qmodules.kv import attention_modules, head_view
 from quantkit.quant.fp8 import fake_quantize
 
 log = logging.getLogger(__name__)
@@ -49,16 +49,6 @@ class Fp8StaticCache(_Fp8Update, StaticCache):
     def __init__(self, scales: dict[int, tuple[torch.Tensor, torch.Tensor]], config, max_cache_len: int):
         super().__init__(config=config, max_cache_len=max_cache_len)
         self.scales = scales
-
-
-def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
-    """layer_idx -> attention module, for every module with a `layer_idx` and k/v projections."""
-    found = {}
-    for module in model.modules():
-        idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and hasattr(module, "k_proj") and hasattr(module, "v_proj"):
-            found[idx] = module
-    return found
 
 
 def kv_scales(model: nn.Module) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], bool]:

@@ -27,6 +27,7 @@ from quantkit.kernels import cpu_int4
 from quantkit.quant.fp8 import fake_quantize
 from quantkit.qmodules.kv import head_view
 from quantkit.qmodules.int_linear import PackedIntLinear
+from quantkit.runtime.state import runtime_state
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -167,15 +168,13 @@ class LeanDecoder:
         self.scaling = self.head_dim ** -0.5
         self.fp8_scales = fp8_scales
         self.head = _plain(model.get_output_embeddings())
-        # fused once per model (and compute dtype / device), reused by every generate
-        key = (model.get_input_embeddings().weight.device, model.get_input_embeddings().weight.dtype)
-        fused = getattr(model, "_quantkit_fused", None)
-        if fused is None or model._quantkit_fused_key != key:
-            fused = ([_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], key[1]) for l in layers],
-                     [_fuse([l.mlp.gate_proj, l.mlp.up_proj], key[1]) for l in layers])
-            model._quantkit_fused, model._quantkit_fused_key = fused, key
+        # fused once per model (and compute dtype / device), kept in its runtime state for every generate
+        embed = model.get_input_embeddings().weight
+        fused = runtime_state(model).fused_for(embed.device, embed.dtype, lambda: (
+            [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], embed.dtype) for l in layers],
+            [_fuse([l.mlp.gate_proj, l.mlp.up_proj], embed.dtype) for l in layers]))
         self.plans = []
-        for layer, qkv, gate_up in zip(layers, *fused):
+        for layer, qkv, gate_up in zip(layers, fused.qkv, fused.gate_up):
             attn, mlp = layer.self_attn, layer.mlp
             self.plans.append(_LayerPlan(
                 layer.input_layernorm, layer.post_attention_layernorm, qkv,

@@ -24,11 +24,9 @@ from torch import nn
 from transformers import DynamicCache
 
 from quantkit.runtime import lean_decode
-from quantkit.runtime.detokenize import IncrementalDetokenizer
-from quantkit.runtime.generate import Completion, context_limit, end_token_ids
 from quantkit.runtime.kv_cache import make_cache
-from quantkit.runtime.sampling import SamplingParams, TokenHistory, distribution
-from quantkit.runtime.stopping import StopStringMatcher
+from quantkit.runtime.request import Completion, Request, context_limit, end_token_ids
+from quantkit.runtime.sampling import SamplingParams, distribution
 
 
 @dataclass
@@ -114,26 +112,22 @@ def speculative_generate(target: nn.Module, draft: nn.Module, tokenizer, prompt_
     budget = min(params.max_new_tokens, limit - len(seq) - num_draft_tokens - 1)
     if budget < 1:
         raise ValueError(f"a prompt of {len(seq)} tokens leaves no room in the context of {limit}")
-    ends = end_token_ids(target, tokenizer)
     gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
-    history = TokenHistory(vocab, seq)
-    detok, stopper = IncrementalDetokenizer(tokenizer, seq), StopStringMatcher(params.stop)
+    request = Request.start(tokenizer, seq, params, vocab, end_token_ids(target, tokenizer), budget, on_text)
+    history = request.history  # the committed sequence's history; each round's drafts extend a copy
     tgt = _Model(target, make_cache(target, kv_cache_dtype) or DynamicCache(config=target.config))
     drf = _LeanDraft(draft, len(seq) + budget + num_draft_tokens + 1) if lean_decode.supports(draft) \
         else _Model(draft, DynamicCache(config=draft.config))
     stats = SpeculativeStats()
-    out: list[int] = []
-    text, finish, reason = "", None, None
     start = time.perf_counter()
-    first_at = last_at = start
 
-    def dist(logits: torch.Tensor, hist: TokenHistory) -> torch.Tensor:
+    def dist(logits: torch.Tensor, hist) -> torch.Tensor:
         return distribution(logits, params, hist.seen, hist.counts)
 
     def draw(probs: torch.Tensor) -> int:
         return int(probs.argmax()) if params.greedy else int(torch.multinomial(probs, 1, generator=gen))
 
-    while finish is None:
+    while not request.done:
         # draft k tokens
         hist = history.copy()
         drafts, qs = [], []
@@ -169,31 +163,9 @@ def speculative_generate(target: nn.Module, draft: nn.Module, tokenizer, prompt_
         stats.rounds += 1
         stats.proposed += num_draft_tokens
         stats.accepted += len(committed) - 1  # drafts kept; the last token is a resample or the bonus
-        # commit, checking the stop conditions token by token
+        # commit token by token: the request's state machine decides where it stops
         for token in committed:
-            last_at = time.perf_counter()
-            if not out:
-                first_at = last_at
-            if (token in ends and not params.ignore_eos) or token in params.stop_token_ids:
-                finish, reason = "stop", token
+            if request.commit(token):
                 break
-            out.append(token)
             seq.append(token)
-            history.add(token)
-            emitted = stopper.feed(detok.add(token))
-            if emitted:
-                text += emitted
-                if on_text:
-                    on_text(emitted)
-            if stopper.stopped:
-                finish, reason = "stop", next(s for s in params.stop if s in detok.text)
-                break
-            if len(out) >= budget:
-                finish = "length"
-                break
-    tail = stopper.flush()
-    if tail:
-        text += tail
-        if on_text:
-            on_text(tail)
-    return Completion(text, out, finish, len(prompt_ids), first_at - start, last_at - first_at, reason), stats
+    return request.complete(start), stats

@@ -1,7 +1,10 @@
 """`quantkit.load`: build a model from a checkpoint directory, quantized modules included.
 
-The model skeleton is built with empty (meta) parameters, quantized linears are swapped in as
-the checkpoint's `quantization_config` says, then every tensor is assigned from safetensors.
+The inverse of `quantkit.export`, used alike by the quantize job (its source model), eval and
+the runner. The model skeleton is built with empty (meta) parameters, quantized linears are
+swapped in as the checkpoint's `quantization_config` says, then every tensor is assigned from
+safetensors. The kernel request (QUANTKIT_KERNEL) is read once here and given to every quantized
+linear; the model carries a `runtime.state.RuntimeState` for the runner.
 """
 
 from __future__ import annotations
@@ -19,23 +22,17 @@ from quantkit import compute, devices
 from quantkit.catalog import architecture_names, checkpoint_namer, find_adapter
 from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
-from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, iter_tensors, read_config
+from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, checkpoint_dtype, iter_tensors, read_config
 from quantkit.quantization_config import LoadPlan, parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.models.resolve import resolve_model
+from quantkit.kernels.select import forced_kernel, use_kernel
 from quantkit.qmodules.fp8_linear import plan_dense_cache
+from quantkit.qmodules.kv import attention_modules
 from quantkit.runtime import offload as offload_mod
-from quantkit.runtime.kv_cache import attention_modules
+from quantkit.runtime.state import RuntimeState
 
 log = logging.getLogger(__name__)
-
-
-def checkpoint_dtype(config: dict) -> torch.dtype:
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    dtype = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise CheckpointError(f"config.json: unsupported dtype {name!r}")
-    return dtype
 
 
 def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = None,
@@ -71,6 +68,8 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     adapter = find_adapter(config.model_type)
     to_module = adapter.to_module_name if adapter else (lambda name: name)
     quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
+    kernel = forced_kernel()  # read once: every quantized linear keeps this request
+    use_kernel(model, kernel)
     if plan and plan.kv_cache_strategy:
         _add_kv_scale_slots(model, plan.kv_cache_strategy)
     ckpt = LazyCheckpoint(path, to_module)
@@ -101,6 +100,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     model.quantkit_offload = offloading
     model.quantkit_compute = choice
     model.quantkit_device = where
+    model.quantkit_runtime = RuntimeState(kernel=kernel)
     log.info("%s: %s", path, choice.describe())
     return model
 
