@@ -140,15 +140,20 @@ def test_peak_memory_does_not_grow_with_depth(tmp_path, tokenizer):
     whole-model loading grows with depth (so the check can see growth); onloading stays within a margin of
     a quarter of that growth. Shards of 1 MB, so the shard being filled (1.5 MB of output per layer
     here) is flushed every layer and what is measured is only what depends on depth."""
-    peaks = {}
-    for n in (2, 6):
+    runs = {}
+    for n in (2, 6):  # the four jobs run side by side (each process measures its own heap), one thread each
         src = _wide_model(tmp_path / f"m{n}", n, tokenizer)
         for mode in ("whole", "layers"):
-            res = subprocess.run([sys.executable, "-c", PEAK, str(src), str(tmp_path / f"q{n}{mode}"), mode],
-                                 cwd=ROOT, capture_output=True, text=True,
-                                 env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin", "QUANTKIT_COMPUTE_DTYPE": "float32"})
-            assert res.returncode == 0, res.stderr[-2000:]
-            peaks[n, mode] = int(res.stdout.split()[-1])
+            runs[n, mode] = subprocess.Popen(
+                [sys.executable, "-c", PEAK, str(src), str(tmp_path / f"q{n}{mode}"), mode], cwd=ROOT, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin", "QUANTKIT_COMPUTE_DTYPE": "float32",
+                     "OMP_NUM_THREADS": "1"})
+    peaks = {}
+    for key, proc in runs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+        peaks[key] = int(out.split()[-1])
     print("peak live bytes above the start:", peaks)
     whole_growth = peaks[6, "whole"] - peaks[2, "whole"]
     onload_growth = peaks[6, "layers"] - peaks[2, "layers"]
