@@ -74,7 +74,7 @@ def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, 
     print(f"source {src}: {size / 1e9:.2f} GB; recipe {recipe.name} {' '.join(overrides) or ''}; load {load_mode}")
     base = live_heap_bytes() or 0
     start = time.perf_counter()
-    with PeakSampler(0.005, live=live) as peak:  # live: glibc's accounting too (slows the job a little)
+    with PeakSampler(0.005, live=live, where=True) as peak:  # live: glibc's accounting too (slows the job a little)
         report = run(str(src), recipe, out, overwrite=True, progress=False, load_mode=load_mode, device=device,
                      notify=lambda line: print(line, flush=True))
     wall = time.perf_counter() - start
@@ -86,6 +86,7 @@ def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, 
     live_line = f"; peak live allocations {(peak.peak - base) / 1e9:.2f} GB above the start" if live else ""
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.2f} GB (sampled {peak.peak_rss / 1e9:.2f} GB)"
           f"{live_line}")
+    print(f"peak reached in: {peak.peak_where or '(unknown)'}")
     print(report.closing_line())
     print(f"checkpoint {out_size / 1e9:.2f} GB ({out_size / size:.3f} of the source)")
     meta = json.loads((Path(out) / "quantkit.json").read_text())

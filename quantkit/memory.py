@@ -71,10 +71,15 @@ class PeakSampler:
     """Samples resident memory (and, with `live`, `live_heap_bytes()`) every `interval` seconds in a
     thread; `peak_rss` and `peak` are the largest values seen while the block ran. `live` is for tests
     and benchmarks only: mallinfo2 walks the allocator's arenas under their locks and slows an
-    allocation-heavy job severalfold."""
+    allocation-heavy job severalfold. With `where`, `peak_where` says what the main thread was doing
+    when resident memory reached its peak (its innermost quantkit frames, read again at each new peak
+    at least WHERE_STEP above the last one read)."""
 
-    def __init__(self, interval: float = 0.002, live: bool = True):
+    WHERE_STEP = 4 << 20
+
+    def __init__(self, interval: float = 0.002, live: bool = True, where: bool = False):
         self.interval, self.live, self.peak, self.peak_rss = interval, live, 0, 0
+        self.where, self.peak_where, self._where_at = where, "", 0
         self._stop = None
 
     def _sample(self) -> None:
@@ -82,9 +87,12 @@ class PeakSampler:
             self.peak = max(self.peak, live_heap_bytes() or 0)
         try:
             with open("/proc/self/statm") as f:
-                self.peak_rss = max(self.peak_rss, int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError):
-            pass
+            return
+        self.peak_rss = max(self.peak_rss, rss)
+        if self.where and rss >= self._where_at + self.WHERE_STEP and rss == self.peak_rss:
+            self._where_at, self.peak_where = rss, _main_thread_place()
 
     def __enter__(self) -> "PeakSampler":
         import threading
@@ -104,3 +112,16 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         self._sample()
+
+
+def _main_thread_place(frames: int = 4) -> str:
+    """The main thread's innermost quantkit frames, innermost first ("file:line function < ...")."""
+    import threading
+    import traceback
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return ""
+    stack = [f for f in traceback.extract_stack(frame) if f"{os.sep}quantkit{os.sep}" in f.filename]
+    return " < ".join(f"{f.filename.rpartition(os.sep + 'quantkit' + os.sep)[2]}:{f.lineno} {f.name}"
+                      for f in reversed(stack[-frames:]))

@@ -150,8 +150,9 @@ class GPTQ(Algorithm):
             try:
                 if self.scheme.is_fp8:
                     scale = torch.cat([expanded_scale(qw) for qw in nearest.values()])
-                    W = torch.cat(weights)  # [sum(out), in]; the solver works in it (overwrite)
-                    codes, dead = gptq_quantize_fp8(W, H, scale, cfg.block_size, damp, actorder, overwrite=True)
+                    # [sum(out), in], the solver's working copy (overwrite): held by the solver only, which frees it
+                    codes, dead = gptq_quantize_fp8(torch.cat(weights), H, scale, cfg.block_size, damp, actorder,
+                                                    overwrite=True)
                     weight = _fp8_rows(codes, nearest)
                 else:
                     # the weights themselves: the solver stacks them into its working copy in visiting order

@@ -186,7 +186,8 @@ def gptq_quantize(
             torch.sub(q, z, out=deq).mul_(s)
 
     Qt = _solve_columns(W, Hinv, block_size, round_column, torch.int8)
-    Q = Qt[torch.argsort(perm)].t().contiguous()  # [out, in] int8 in the original column order
+    del W, Hinv  # the working copy and the factor go before the codes are reordered (this was GPTQ's peak)
+    Q = _codes_in_order(Qt, perm if actorder else None)  # [out, in] int8 in the original column order
     return GPTQResult(QuantizedWeight(Q, scale, zp, scheme), int(dead.sum()))
 
 
@@ -222,8 +223,18 @@ def gptq_quantize_fp8(
         torch.mul(q, s, out=deq)
 
     Qt = _solve_columns(W, Hinv, block_size, round_column, FP8_DTYPE)
-    codes = Qt[torch.argsort(perm)].t().contiguous().view(FP8_DTYPE)  # [out, in], original column order
+    del W, Hinv
+    s_cols = None  # (the closure's cell: the expanded scales go too)
+    codes = _codes_in_order(Qt, perm if actorder else None).view(FP8_DTYPE)  # [out, in], original column order
     return codes, int(dead.sum())
+
+
+def _codes_in_order(Qt: torch.Tensor, perm: Optional[torch.Tensor]) -> torch.Tensor:
+    """The solver's codes [in, out] in visiting order as [out, in] in the original column order (perm:
+    the visiting order, None when it is the original one). One reordered copy at most besides the result."""
+    if perm is not None:  # row perm[k] of the original order is visited row k
+        Qt = torch.empty_like(Qt).index_copy_(0, perm, Qt)
+    return Qt.t().contiguous()
 
 
 def _solve_columns(W: torch.Tensor, Hinv: torch.Tensor, block_size: int, round_column,
