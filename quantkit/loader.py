@@ -3,8 +3,8 @@
 The inverse of `quantkit.export`, used alike by the quantize job (its source model), eval and
 the runner. The model skeleton is built with empty (meta) parameters, quantized linears are
 swapped in as the checkpoint's `quantization_config` says, then every tensor is assigned from
-safetensors. The kernel request (QUANTKIT_KERNEL) is read once here and given to every quantized
-linear; the model carries a `runtime.state.RuntimeState` for the runner.
+safetensors. The kernel request (QUANTKIT_KERNEL) is read while loading, by each quantized linear as it is
+made, and recorded in the `runtime.state.RuntimeState` the model carries for the runner.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, checkpoint_dtype, it
 from quantkit.quantization_config import LoadPlan, parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.models.resolve import resolve_model
-from quantkit.kernels.select import forced_kernel, use_kernel
+from quantkit.kernels.select import forced_kernel
 from quantkit.qmodules.fp8_linear import plan_dense_cache
 from quantkit.qmodules.kv import attention_modules
 from quantkit.runtime import offload as offload_mod
@@ -68,8 +68,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     adapter = find_adapter(config.model_type)
     to_module = adapter.to_module_name if adapter else (lambda name: name)
     quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
-    kernel = forced_kernel()  # read once: every quantized linear keeps this request
-    use_kernel(model, kernel)
+    kernel = forced_kernel()  # the request the quantized linears just took when they were made, for the state
     if plan and plan.kv_cache_strategy:
         _add_kv_scale_slots(model, plan.kv_cache_strategy)
     ckpt = LazyCheckpoint(path, to_module)
