@@ -7,6 +7,7 @@ Both sides calibrate on the same 64 x 512 tokens: quantkit's calibration windows
 (`bash ../shared/tools/build-llamacpp.sh`; LLAMACPP_HOME, default ~/.cache/llamacpp).
 
     python bench/gguf_peer.py smollm2-135m --chunks 40 --work /tmp/ggbench
+    python bench/gguf_peer.py smollm2-135m --kinds Q4_K_M --recipes gptq-q4_k_m   # one file type only
 """
 
 from __future__ import annotations
@@ -55,17 +56,23 @@ def calibration_text(model: Path, out: Path) -> None:
 
 
 def score(L: Path, gguf: Path, base_logits: Path, chunks: int, ctx: int, log: Path) -> dict:
-    run([str(L / "llama-perplexity"), "-m", str(gguf), "-f", str(EMMA), "-c", str(ctx), "--chunks", str(chunks),
-         "-t", str(os.cpu_count()), "--kl-divergence-base", str(base_logits), "--kl-divergence"], log)
-    text = log.read_text(errors="replace")
+    """llama-perplexity's KLD statistics of one file. llama.cpp's log thread is never joined, so a run that
+    succeeds can lose its closing lines (the statistics): such a run is repeated (at most 3 runs in all)."""
     num = r"([0-9.eE+-]+)"
+    for _ in range(3):
+        run([str(L / "llama-perplexity"), "-m", str(gguf), "-f", str(EMMA), "-c", str(ctx), "--chunks", str(chunks),
+             "-t", str(os.cpu_count()), "--kl-divergence-base", str(base_logits), "--kl-divergence"], log)
+        text = log.read_text(errors="replace")
 
-    def find(label):
-        m = re.search(label + r"\s*:\s*" + num, text)
-        return float(m.group(1)) if m else None
+        def find(label):
+            m = re.search(label + r"\s*:\s*" + num, text)
+            return float(m.group(1)) if m else None
 
-    return {"ppl": find(r"Mean PPL\(Q\)"), "ppl_base": find(r"Mean PPL\(base\)"), "kld": find(r"Mean    KLD"),
-            "kld_99": find(r"99\.0%   KLD"), "top1": find(r"Same top p"), "bytes": gguf.stat().st_size}
+        row = {"ppl": find(r"Mean PPL\(Q\)"), "ppl_base": find(r"Mean PPL\(base\)"), "kld": find(r"Mean    KLD"),
+               "kld_99": find(r"99\.0%   KLD"), "top1": find(r"Same top p"), "bytes": gguf.stat().st_size}
+        if None not in (row["ppl"], row["ppl_base"], row["kld"], row["top1"]):
+            return row
+    sys.exit(f"llama-perplexity printed no KLD statistics for {gguf} in 3 runs; see {log}")
 
 
 def main() -> None:
@@ -74,7 +81,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/ggbench"))
     ap.add_argument("--chunks", type=int, default=40, help="emma.txt windows scored (llama-perplexity --chunks)")
     ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--recipes", default="gptq-q4_0,awq-q4_0,gptq-q8_0")
+    ap.add_argument("--recipes", default="gptq-q4_0,awq-q4_0,gptq-q4_k_m,gptq-q8_0")
+    ap.add_argument("--kinds", default="Q4_0,Q4_K_M,Q8_0", help="llama-quantize file types to compare with")
     ap.add_argument("--reuse-llamacpp", action="store_true",
                     help="keep llama.cpp's files (and their times) from an earlier run in --work; all are scored again")
     args = ap.parse_args()
@@ -100,17 +108,17 @@ def main() -> None:
         files = {name: w / f"llamacpp-{name.split()[1]}{'-imatrix' if 'imatrix' in name else ''}.gguf"
                  for name in times if name.startswith("llama.cpp ")}
     else:
-        _llamacpp(L, f16, calib, w, times, files)
+        _llamacpp(L, f16, calib, w, times, files, args.kinds.split(","))
         saved.write_text(json.dumps(times, indent=2))
     _quantkit(args, model, w, times, files)
     _report(args, L, f16, w, times, files)
 
 
-def _llamacpp(L: Path, f16: Path, calib: Path, w: Path, times: dict, files: dict) -> None:
+def _llamacpp(L: Path, f16: Path, calib: Path, w: Path, times: dict, files: dict, kinds: list[str]) -> None:
     times["llama-imatrix"] = run([str(L / "llama-imatrix"), "-m", str(f16), "-f", str(calib), "-c", "512",
                                   "--chunks", "64", "-t", str(os.cpu_count()), "-o", str(w / "imatrix.gguf")],
                                  w / "imatrix.log")
-    for kind in ("Q4_0", "Q8_0"):
+    for kind in kinds:
         for imatrix in (False, True):
             if kind == "Q8_0" and imatrix:
                 continue  # llama.cpp's Q8_0 ignores the importance matrix

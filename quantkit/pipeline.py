@@ -30,12 +30,12 @@ from quantkit.arch.moe import all_experts_see_tokens
 from quantkit.calibration.activations import Activations
 from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, observe_layer, run_layer
 from quantkit.errors import QuantizationError
-from quantkit.catalog import format_for
+from quantkit.catalog import checkpoint_namer, format_for
 from quantkit.formats.base import QuantFormat
 from quantkit.memory import release_free_memory
 from quantkit.quant.intq import sqnr_db
 from quantkit.recipe import Recipe, StageSpec
-from quantkit.schemes import QuantScheme
+from quantkit.schemes import PRESETS, QuantScheme, resolve_scheme
 from quantkit.targets import select_linears
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,13 @@ class Stage:
     # quantizing stages: linears whose inputs the scheme's group size does not divide, with the smaller group they get
     fallbacks: dict[str, QuantScheme] = field(default_factory=dict)
     address: str = ""  # how --set names the stage (`StagePlan.address`)
+    # a per-tensor mixture scheme (Q4_K_M): the ggml grid each linear gets, as llama.cpp chooses it
+    mixture: dict[str, QuantScheme] = field(default_factory=dict)
 
     def scheme_of(self, name: str) -> QuantScheme:
         """The scheme this (quantizing) stage gives linear `name`."""
+        if name in self.mixture:
+            return self.mixture[name]
         return self.fallbacks.get(name, self.algorithm.scheme)
 
 
@@ -114,9 +118,12 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
                 f"stage {i} ({spec.algorithm}) targets {', '.join(outside)}, outside the decoder layers; "
                 f"quantizing those is not supported yet: add them to stages.{i}.ignore"
             )
-        fallbacks = {}
+        fallbacks, mixture = {}, {}
         if algo_cls.produces_weights:
-            fallbacks = _fit_group_size(model, names, scheme, i, recipe.group_size_set(i))
+            if scheme.grid == "q4_k_m":
+                mixture = _ggml_mixture(model, names, i)
+            else:
+                fallbacks = _fit_group_size(model, names, scheme, i, recipe.group_size_set(i))
             twice = [n for n in names if n in claimed]
             if twice:
                 raise QuantizationError(
@@ -124,7 +131,7 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
                     "make the stages' targets/ignore disjoint"
                 )
             claimed.update({n: i for n in names})
-        stages.append(Stage(i, spec, algorithm, names, fallbacks=fallbacks, address=planned.address))
+        stages.append(Stage(i, spec, algorithm, names, fallbacks=fallbacks, address=planned.address, mixture=mixture))
     if not claimed and not any(_observes_attention(s) for s in stages):
         raise QuantizationError("the recipe's targets match no Linear module inside the decoder layers")
     for stage in stages:
@@ -148,6 +155,12 @@ def _assign_later_schemes(stage: Stage, stages: list[Stage], claimed: dict[str, 
             f"or add those modules to stages.{stage.index}.ignore"
         )
     stage.schemes = {n: stages[claimed[n]].scheme_of(n) for n in stage.modules}
+    blocks = [n for n, sc in stage.schemes.items() if sc.grid in ("q5_0", "q4_k", "q6_k")]
+    if blocks:
+        raise QuantizationError(
+            f"stage {stage.index} ({stage.spec.algorithm}) prepares weights for int grids, but {blocks[0]} is quantized "
+            f"to ggml's {stage.schemes[blocks[0]].short()} by stage {claimed[blocks[0]]}, which it does not model: "
+            f"drop stage {stage.index} (recipe gptq-q4_k_m) or use a Q4_0 recipe (awq-q4_0)")
     fp8 = [n for n, sc in stage.schemes.items() if sc.is_fp8]
     if fp8:
         raise QuantizationError(
@@ -181,6 +194,43 @@ def _fit_group_size(model: nn.Module, names: list[str], scheme: QuantScheme, sta
         + f"; group sizes that divide every targeted layer: {', '.join(map(str, fits)) or 'none (use strategy channel)'}"
         + f" -- e.g. --set stages.{stage}.scheme.group_size={fits[-1] if fits else 64}"
     )
+
+
+def _ggml_mixture(model: nn.Module, names: list[str], stage: int) -> dict[str, QuantScheme]:
+    """Each linear's ggml grid under llama.cpp's Q4_K_M rule (`quantkit.gguf.mixture`: Q4_K, Q6_K on the
+    layers it picks for attn_v / ffn_down, its fallbacks Q5_0 / Q8_0 where a row is not whole super-blocks)."""
+    from quantkit.gguf import metadata, mixture
+
+    config = model.config
+    namer = metadata.tensor_namer(config.model_type, config.num_hidden_layers)
+    ckpt = checkpoint_namer(model)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    out = {}
+    for name in names:
+        linear = model.get_submodule(name)
+        gname = namer(ckpt(name) + ".weight")
+        if gname is None:
+            raise QuantizationError(f"stage {stage}: {name} has no GGUF tensor name for {config.model_type}; "
+                                    f"add it to stages.{stage}.ignore")
+        kind = mixture.tensor_type(gname, (linear.out_features, linear.in_features), "Q4_K_M", tied,
+                                   config.num_hidden_layers)
+        if kind not in PRESETS:
+            raise QuantizationError(f"stage {stage}: {name} ({linear.in_features} inputs) has no Q4_K_M type "
+                                    f"(llama.cpp keeps it {kind}); add it to stages.{stage}.ignore")
+        out[name] = resolve_scheme(kind, {})
+    return out
+
+
+def _by_scheme(groups: list[list[str]], scheme_of: dict[str, QuantScheme]) -> list[list[str]]:
+    """Input-sharing groups split where their linears get different schemes (a mixture's attn_v in Q6_K
+    beside q/k in Q5_0): each part is solved on its own (with its own Hessian of the same inputs)."""
+    out = []
+    for group in groups:
+        parts: dict[QuantScheme, list[str]] = {}
+        for name in group:
+            parts.setdefault(scheme_of[name], []).append(name)
+        out.extend(parts.values())
+    return out
 
 
 def _groups(names: list[str], adapter: ArchitectureAdapter, prefix: str) -> list[list[str]]:
@@ -302,10 +352,11 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
             notes.setdefault(name, {}).update(note)
         algorithm.report.clear()
         return {}
-    algorithm.begin_layer(linears, groups)
-    # one algorithm per scheme (layers with a fallback group size): views sharing the statistics, made
-    # before any of them quantizes (an algorithm may drop its statistics when it is done)
     scheme_of = {n: stage.scheme_of(n) for n in names}
+    groups = _by_scheme(groups, scheme_of)
+    algorithm.begin_layer(linears, groups)
+    # one algorithm per scheme (layers with a fallback group size, a mixture): views sharing the statistics,
+    # made before any of them quantizes (an algorithm may drop its statistics when it is done)
     algorithms = {sc: algorithm if sc == algorithm.scheme else algorithm.for_scheme(sc)
                   for sc in dict.fromkeys(scheme_of.values())}
     if algorithm.needs_data():

@@ -55,7 +55,9 @@ class QuantScheme(StrictModel):
     # a GGUF grid (`quantkit.gguf`): ggml's own scale rule on group 32 with fp16 scales, so the codes are the
     # file's codes. q4_0 (x = d (q - 8), d = the group's signed extreme / -8) is stored asymmetric with
     # scale |d| and zero point 0 (d > 0) or -1 (d < 0); q8_0 (x = d q, d = absmax / 127) symmetric.
-    grid: Optional[Literal["q4_0", "q8_0"]] = None
+    # q5_0, q4_k, q6_k are kept as ggml blocks (`quantkit.quant.ggml`; format ggml-blocks); q4_k_m is
+    # llama.cpp's per-tensor mixture, resolved per linear into those grids and q8_0 (`quantkit.gguf.mixture`).
+    grid: Optional[Literal["q4_0", "q8_0", "q5_0", "q4_k", "q6_k", "q4_k_m"]] = None
     scale_dtype: Optional[Literal["float16", "bfloat16", "float32"]] = None  # None: the checkpoint's dtype
 
     @model_validator(mode="before")
@@ -88,6 +90,8 @@ class QuantScheme(StrictModel):
             return self
         if self.grid is not None:
             self._check_grid()
+            if self.grid not in ("q4_0", "q8_0"):
+                return self  # ggml's own layouts: the fields above are nominal
         if self.input_activations is not None:
             raise ValueError("activation quantization is FP8 only here: int weights run with 16-bit activations")
         if self.observer != "minmax":
@@ -108,10 +112,10 @@ class QuantScheme(StrictModel):
         return self
 
     def _check_grid(self) -> None:
-        bits, symmetric = GRIDS[self.grid]
-        if (self.num_bits, self.symmetric, self.strategy, self.group_size) != (bits, symmetric, "group", 32):
+        bits, symmetric, group = GRIDS[self.grid]
+        if (self.num_bits, self.symmetric, self.strategy, self.group_size) != (bits, symmetric, "group", group):
             raise ValueError(f"grid {self.grid} is {bits}-bit {'symmetric' if symmetric else 'asymmetric'} "
-                             f"group 32 (got {self.num_bits}-bit {'symmetric' if self.symmetric else 'asymmetric'} "
+                             f"group {group} (got {self.num_bits}-bit {'symmetric' if self.symmetric else 'asymmetric'} "
                              f"{self.strategy} {self.group_size}): drop the other fields or use preset "
                              f"{self.grid.upper()}")
         if self.scale_dtype not in (None, "float16"):
@@ -157,8 +161,10 @@ class QuantScheme(StrictModel):
         return f"int{self.num_bits} {'sym' if self.symmetric else 'asym'} {gran}{order}"
 
 
-# GGUF grids as quantkit int schemes: (num_bits, symmetric); group 32 and fp16 scales for all
-GRIDS: dict[str, tuple[int, bool]] = {"q4_0": (4, False), "q8_0": (8, True)}
+# GGUF grids as quantkit int schemes: (num_bits, symmetric, group_size: the columns sharing one step), fp16
+# scales for all. q4_0 and q8_0 are compressed-tensors int weights; the others ggml blocks (nominal fields).
+GRIDS: dict[str, tuple[int, bool, int]] = {"q4_0": (4, False, 32), "q8_0": (8, True, 32), "q5_0": (5, True, 32),
+                                           "q4_k": (4, False, 32), "q6_k": (6, True, 16), "q4_k_m": (4, False, 32)}
 
 # Named presets are data: a recipe says `scheme: W4A16` or `scheme: {preset: W4A16, group_size: 64}`.
 PRESETS: dict[str, dict] = {
@@ -176,6 +182,11 @@ PRESETS: dict[str, dict] = {
     # GGUF's Q4_0 and Q8_0 grids (`quantkit export gguf` writes them without rounding again)
     "Q4_0": dict(num_bits=4, symmetric=False, strategy="group", group_size=32, grid="q4_0"),
     "Q8_0": dict(num_bits=8, symmetric=True, strategy="group", group_size=32, grid="q8_0"),
+    # ggml's Q5_0, Q4_K, Q6_K (kept as ggml blocks), and llama.cpp's Q4_K_M mixture of them (and Q8_0) per tensor
+    "Q5_0": dict(num_bits=5, symmetric=True, strategy="group", group_size=32, grid="q5_0"),
+    "Q4_K": dict(num_bits=4, symmetric=False, strategy="group", group_size=32, grid="q4_k"),
+    "Q6_K": dict(num_bits=6, symmetric=True, strategy="group", group_size=16, grid="q6_k"),
+    "Q4_K_M": dict(num_bits=4, symmetric=False, strategy="group", group_size=32, grid="q4_k_m"),
     "FP8_WEIGHT": dict(num_bits=8, type="float", strategy="channel", group_size=None),
 }
 

@@ -19,7 +19,8 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from quantkit.errors import CheckpointError, OutputExistsError  # noqa: E402
-from quantkit.gguf import blocks, grids, mixture  # noqa: E402
+from quantkit.gguf import grids, mixture  # noqa: E402
+from quantkit.quant import ggml_blocks as blocks  # noqa: E402
 from quantkit.gguf.export import export_gguf  # noqa: E402
 from quantkit.gguf.metadata import row_order  # noqa: E402
 from quantkit.quant.intq import compute_qparams, rtn  # noqa: E402
@@ -474,3 +475,154 @@ def test_metadata_as_llama_cpp_converter_writes_it(tmp_path):
     for key, value in theirs.items():
         assert mine[key] == value, key
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+# --- calibrated K-quants: Q5_0, Q4_K, Q6_K as ggml blocks (recipe gptq-q4_k_m) -----------------------
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q6_K"])
+def test_k_quant_blocks_unpack_and_values_as_gguf_py(kind):
+    """Unpacking inverts packing field for field, and our float32 values of the bytes are gguf-py's bit for bit."""
+    rng = np.random.default_rng(1)
+    rows, cols = 3, 512
+    d = (rng.normal(size=(rows, cols // (256 if kind.endswith("_K") else 32))) * 0.01).astype(np.float16)
+    if kind == "Q5_0":
+        fields = (rng.integers(0, 32, (rows, cols)).astype(np.uint8), d)
+        raw, back = blocks.pack_q5_0(*fields), blocks.unpack_q5_0(blocks.pack_q5_0(*fields), cols)
+    elif kind == "Q4_K":
+        fields = (rng.integers(0, 16, (rows, cols)).astype(np.uint8), rng.integers(0, 64, (rows, cols // 32)).astype(np.uint8),
+                  rng.integers(0, 64, (rows, cols // 32)).astype(np.uint8), np.abs(d), np.abs(d[:, ::-1]).copy())
+        raw = blocks.pack_q4_k(*fields)
+        back = blocks.unpack_q4_k(raw, cols)
+    else:
+        fields = (rng.integers(0, 64, (rows, cols)).astype(np.uint8), rng.integers(-128, 128, (rows, cols // 16)).astype(np.int8), d)
+        raw = blocks.pack_q6_k(*fields)
+        back = blocks.unpack_q6_k(raw, cols)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(fields, back))
+    theirs = gguf_dequantize(raw, getattr(gguf.GGMLQuantizationType, kind))
+    assert np.array_equal(blocks.dequantize(kind, raw, cols), theirs)
+
+
+def _correlated_hessian(n: int, tokens: int = 2048) -> torch.Tensor:
+    torch.manual_seed(0)
+    X = (torch.randn(tokens, n) @ (0.15 * torch.randn(n, n) + torch.eye(n))) * torch.linspace(0.2, 3.0, n)
+    return X.t() @ X / tokens
+
+
+@pytest.mark.parametrize("grid", ["q5_0", "q4_k", "q6_k"])
+def test_gptq_on_k_quant_grids_beats_ggml_rounding_and_is_what_gguf_py_reads(grid):
+    from quantkit.quant import ggml
+    from quantkit.quant.gptq import gptq_quantize_ggml, hessian_error
+
+    scheme = resolve_scheme(grid.upper(), {})
+    H = _correlated_hessian(512)
+    W = torch.randn(64, 512) * 0.05
+    gw, dead = gptq_quantize_ggml(W, H, scheme)
+    assert dead == 0 and gw.kind == grid.upper()
+    raw = gw.to_blocks()
+    theirs = torch.from_numpy(gguf_dequantize(raw, getattr(gguf.GGMLQuantizationType, gw.kind))).reshape(64, 512)
+    assert torch.equal(gw.dequantize(), theirs)  # the solver's values are the file's, bit for bit
+    assert torch.equal(ggml.GGMLWeight.from_blocks(raw, 512, scheme).dequantize(), theirs)
+    near = ggml.nearest(W, scheme)  # ggml's own parameter rule, codes to nearest (llama-quantize, no imatrix)
+    e_gptq, e_near = hessian_error(W, gw.dequantize(), H), hessian_error(W, near.dequantize(), H)
+    assert e_gptq < 0.8 * e_near, (e_gptq, e_near)
+    lo, hi = {"q5_0": (0, 31), "q4_k": (0, 15), "q6_k": (0, 63)}[grid]
+    assert int(gw.q.min()) >= lo and int(gw.q.max()) <= hi
+
+
+def test_k_quant_schemes_validate():
+    assert QuantScheme(**PRESETS["Q4_K"]).short() == "ggml q4_k"
+    with pytest.raises(ValueError, match="actorder"):
+        QuantScheme(**{**PRESETS["Q6_K"], "actorder": "static"})
+    with pytest.raises(ValueError, match="grid q4_k is 4-bit asymmetric group 32"):
+        QuantScheme(**{**PRESETS["Q4_K"], "group_size": 64})
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_models(tiny_models, tokenizer, tmp_path_factory):
+    """gptq-q4_k_m checkpoints and their GGUF exports: a llama wide enough for K-quants (hidden 256, 8 layers:
+    Q4_K, Q6_K) and the tiny llama (hidden 64: llama.cpp's fallbacks Q5_0, and Q8_0 for Q6_K's tensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("q4km")
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512,
+                                  num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, tie_word_embeddings=False)
+    wide = root / "wide"
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(wide)
+    tokenizer.save_pretrained(wide)
+    out = {}
+    for name, src in (("wide", wide), ("tiny", tiny_models["llama"])):
+        ckpt = _quantize(src, "gptq-q4_k_m", root / f"{name}-ckpt")
+        out[name] = (src, ckpt, export_gguf(ckpt, root / f"{name}-q4_k_m.gguf", tokenizer_pre="default"))
+    return out
+
+
+@pytest.mark.parametrize("case, kinds", [("wide", {"Q4_K", "Q6_K"}), ("tiny", {"Q5_0", "Q8_0"})])
+def test_gptq_q4_k_m_checkpoint_holds_llama_cpp_types_and_exports_its_blocks(q4_k_m_models, case, kinds):
+    from quantkit.qmodules.ggml_linear import GGMLLinear
+    from quantkit.qmodules.int_linear import PackedIntLinear
+
+    src, ckpt, summary = q4_k_m_models[case]
+    config = json.loads((ckpt / "config.json").read_text())
+    n_layers = config["num_hidden_layers"]
+    fmt = config["quantization_config"]["format"]  # ggml blocks: not compressed-tensors int weights (vLLM refuses)
+    assert fmt == ("ggml-blocks" if case == "wide" else "mixed-precision")
+    assert summary.file_type == "Q4_K_M" and summary.exact == n_layers * 7 and summary.bytes == summary.path.stat().st_size
+    tensors = _tensors(summary.path)
+    model = load(ckpt, dtype=torch.float32)
+    seen = set()
+    for i, layer in enumerate(model.model.layers):
+        for hf, g in HF_TO_GGUF.items():
+            gname = f"blk.{i}.{g}.weight"
+            module = layer.get_submodule(hf)
+            want = mixture.tensor_type(gname, (module.out_features, module.in_features), "Q4_K_M",
+                                       config["tie_word_embeddings"], n_layers)
+            t = tensors[gname]
+            assert t.tensor_type.name == want, gname
+            assert isinstance(module, PackedIntLinear if want == "Q8_0" else GGMLLinear), gname
+            seen.add(want)
+            ours = module.dequantize(torch.float32).numpy()
+            order = row_order(f"{hf}.weight", config, ours.shape[0])
+            assert np.array_equal(gguf_dequantize(t.data, t.tensor_type), ours if order is None else ours[order]), gname
+    assert seen == kinds  # Q6_K (or Q8_0 where rows are short) for attn_v / ffn_down on use_more_bits' layers
+    report = json.loads((ckpt / "quantkit.json").read_text())
+    rows = [r for r in report["layers"] if "hessian_error_vs_rtn" in r]
+    assert len(rows) == n_layers * 7 and all(r["hessian_error_vs_rtn"] < 1.0 for r in rows)  # GPTQ under ggml's rounding
+    # v_proj on a use_more_bits layer was solved apart from q/k (another grid); all three read the same input
+    last = f"model.layers.{n_layers - 1}.self_attn"
+    assert len({r["scheme"] for r in rows if r["name"].startswith(last)}) == 2
+    logits = model(torch.tensor([[1, 5, 9, 14]])).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_awq_refuses_k_quant_targets(tiny_models, tmp_path):
+    from quantkit.errors import QuantizationError
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\nname: r\nstages:\n  - algorithm: awq\n    targets: [Linear]\n    ignore: [lm_head]\n"
+                      "  - algorithm: gptq\n    scheme: Q4_K_M\n    targets: [Linear]\n    ignore: [lm_head]\n")
+    with pytest.raises(QuantizationError, match="gptq-q4_k_m"):
+        quantize(str(tiny_models["llama"]), load_recipe(str(recipe), SMALL), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not (LLAMACPP / "bin" / "llama-quantize").is_file(),
+                    reason="llama.cpp's tools are not built (bash ../shared/tools/build-llamacpp.sh)")
+@pytest.mark.parametrize("case", ["wide", "tiny"])
+def test_llama_cpp_reads_gptq_q4_k_m_as_its_own_q4_k_m(q4_k_m_models, tmp_path, case):
+    """Every tensor has the type llama-quantize gives it for Q4_K_M from the same model's f16 file, the file is
+    within 1% of its size, and llama.cpp scores it."""
+    src, _, summary = q4_k_m_models[case]
+    f16 = export_gguf(src, tmp_path / "f16.gguf", "f16", tokenizer_pre="default").path
+    theirs = tmp_path / "theirs.gguf"
+    with open(tmp_path / "quantize.log", "w") as log:
+        subprocess.run([str(LLAMACPP / "bin" / "llama-quantize"), str(f16), str(theirs), "Q4_K_M"], check=True,
+                       stdout=log, stderr=subprocess.STDOUT, timeout=300)
+    mine = {n: t.tensor_type.name for n, t in _tensors(summary.path).items()}
+    assert mine == {n: t.tensor_type.name for n, t in _tensors(theirs).items()}
+    assert abs(summary.bytes - theirs.stat().st_size) < 0.01 * theirs.stat().st_size
+    text = tmp_path / "text.txt"
+    text.write_text(Path(__file__).resolve().parents[1].joinpath("calibration_data", "prideprejudice.txt")
+                    .read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    assert np.isfinite(_llama_perplexity(summary.path, text, tmp_path / "ppl.log"))

@@ -1,7 +1,8 @@
 """GPTQ as a pipeline stage: Hessians from calibration inputs (shared by linears that read the same
 input), the solver in `quantkit.quant.gptq`, dampening escalation and a loud RTN last resort.
 
-Int schemes get their min/max scales from the solver; FP8 schemes keep the scales of the nearest
+Int schemes get their min/max scales from the solver (ggml's block grids, Q5_0 / Q4_K / Q6_K: their
+parameters as each block is reached, `gptq_quantize_ggml`); FP8 schemes keep the scales of the nearest
 rounding (`fp8` stage, same observer) and GPTQ chooses the e4m3 codes on them, so the checkpoint
 layout is the `fp8` stage's; a static activation scale comes from the same calibration inputs.
 """
@@ -20,7 +21,8 @@ from quantkit.errors import RecipeError
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.algorithms.fp8 import StaticInputScales, nearest_fp8
 from quantkit.quant.fp8 import Fp8Weight, expanded_scale
-from quantkit.quant.gptq import HessianError, gptq_quantize, gptq_quantize_fp8, hessian_error
+from quantkit.quant import ggml
+from quantkit.quant.gptq import HessianError, gptq_quantize, gptq_quantize_fp8, gptq_quantize_ggml, hessian_error
 from quantkit.memory import release_free_memory
 from quantkit.quant.hessian import HessianAccumulator
 from quantkit.quant.intq import QuantizedWeight, rtn
@@ -34,7 +36,8 @@ class GPTQConfig(AlgorithmConfig):
     dampening_frac: float = Field(0.01, gt=0)  # fraction of mean(diag H) added to the diagonal
     dampening_retries: int = Field(4, ge=0)  # x10 the dampening this many times before giving up
     rtn_fallback: bool = True  # after the retries, quantize the layer with RTN (logged, recorded)
-    # GGUF Q4_0 grid: each block's d searched (diag(H)-weighted error) among ggml-shaped candidates
+    # GGUF grids (Q4_0, Q5_0, Q4_K, Q6_K; Q4_K_M): each block's parameters searched (diag(H)-weighted
+    # error) among ggml-shaped candidates instead of ggml's plain rule
     scale_search: bool = False
     mse_samples: int = Field(1 << 16, ge=1024)  # FP8 static activations, observer mse: input values kept
     seed: int = 0
@@ -51,8 +54,8 @@ class GPTQ(Algorithm):
 
     def __init__(self, config: GPTQConfig, scheme):
         super().__init__(config, scheme)
-        if config.scale_search and getattr(scheme, "grid", None) != "q4_0":
-            raise RecipeError("gptq: scale_search is for the Q4_0 grid (scheme: Q4_0)")
+        if config.scale_search and getattr(scheme, "grid", None) not in ("q4_0", "q4_k_m") and not ggml.is_block_grid(scheme):
+            raise RecipeError("gptq: scale_search is for GGUF's Q4_0, Q5_0, Q4_K, Q6_K grids (scheme: Q4_0, Q4_K_M, ...)")
         self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed) if scheme.is_fp8 else None
 
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
@@ -133,8 +136,10 @@ class GPTQ(Algorithm):
         self._H = {}
         return out
 
-    def _nearest(self, W: torch.Tensor, scale_dtype: torch.dtype) -> "QuantizedWeight | Fp8Weight":
+    def _nearest(self, W: torch.Tensor, scale_dtype: torch.dtype) -> "QuantizedWeight | Fp8Weight | ggml.GGMLWeight":
         """Round-to-nearest on the scheme's grid: the fallback, and the baseline of the error report."""
+        if ggml.is_block_grid(self.scheme):
+            return ggml.nearest(W, self.scheme)  # ggml's plain rule: what llama-quantize does without an imatrix
         return nearest_fp8(W, self.scheme, scale_dtype) if self.scheme.is_fp8 else rtn(W, self.scheme, scale_dtype)
 
     def _solve(self, name: str, weights: list[torch.Tensor], H: torch.Tensor, scale_dtype: torch.dtype,
@@ -154,10 +159,16 @@ class GPTQ(Algorithm):
                     codes, dead = gptq_quantize_fp8(torch.cat(weights), H, scale, cfg.block_size, damp, actorder,
                                                     overwrite=True)
                     weight = _fp8_rows(codes, nearest)
+                elif ggml.is_block_grid(self.scheme):
+                    weight, dead = gptq_quantize_ggml(weights, H, self.scheme, cfg.block_size, damp,
+                                                      scale_search=cfg.scale_search)
+                    if not weight.all_finite():
+                        raise HessianError("non-finite scales")
                 else:
                     # the weights themselves: the solver stacks them into its working copy in visiting order
+                    # (a Q4_K_M mixture's Q8_0 tensors take ggml's plain rule: the search is Q4_0's)
                     res = gptq_quantize(weights, H, self.scheme, scale_dtype, cfg.block_size, damp, actorder,
-                                        scale_search=cfg.scale_search)
+                                        scale_search=cfg.scale_search and self.scheme.grid == "q4_0")
                     if not torch.isfinite(res.weight.scale.float()).all():
                         raise HessianError("non-finite scales")
                     weight, dead = res.weight, res.dead_columns
@@ -174,7 +185,12 @@ class GPTQ(Algorithm):
             raise HessianError(f"GPTQ failed on {name} even with dampening_frac {damp:.3g}; "
                                "set stages.N.args.dampening_frac higher or allow rtn_fallback")
         log.error("GPTQ %s: numerically unsolvable even with dampening_frac %.3g: FALLING BACK TO RTN", name, damp)
-        fallback = nearest if self.scheme.is_fp8 else rtn(torch.cat(weights), self.scheme, scale_dtype)
+        if self.scheme.is_fp8:
+            fallback = nearest
+        elif ggml.is_block_grid(self.scheme):
+            fallback = ggml.nearest(torch.cat(weights), self.scheme)
+        else:
+            fallback = rtn(torch.cat(weights), self.scheme, scale_dtype)
         return fallback, {"fallback": "rtn", "dampening_frac": damp}
 
     def _metrics(self, W: torch.Tensor, qw, nearest, H: torch.Tensor, solve: dict) -> dict:
@@ -197,7 +213,9 @@ def _fp8_rows(codes: torch.Tensor, nearest: dict[str, Fp8Weight]) -> dict[str, F
     return out
 
 
-def _rows(qw: QuantizedWeight, rows: slice) -> QuantizedWeight:
+def _rows(qw: "QuantizedWeight | ggml.GGMLWeight", rows: slice) -> "QuantizedWeight | ggml.GGMLWeight":
+    if isinstance(qw, ggml.GGMLWeight):
+        return qw.rows(rows)
     zp = None if qw.zero_point is None else qw.zero_point[rows]
     return QuantizedWeight(qw.q[rows].contiguous(), qw.scale[rows].contiguous(), zp, qw.scheme)
 

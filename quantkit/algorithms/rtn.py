@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
+from quantkit.quant import ggml
 from quantkit.quant.intq import QuantizedWeight, rtn
 from quantkit.registry import ALGORITHMS
 
@@ -24,4 +25,6 @@ class RTN(Algorithm):
         self, linears: dict[str, nn.Linear], groups: list[list[str]], scale_dtype: torch.dtype
     ) -> dict[str, QuantizedWeight]:
         assert self.scheme is not None, "RTN needs a scheme"
+        if ggml.is_block_grid(self.scheme):  # ggml's own parameter rule (llama-quantize without an imatrix)
+            return {name: ggml.nearest(lin.weight.data, self.scheme) for name, lin in linears.items()}
         return {name: rtn(lin.weight.data, self.scheme, scale_dtype) for name, lin in linears.items()}

@@ -18,7 +18,8 @@ class PackQuantized(QuantFormat):
     name = "pack-quantized"
 
     def supports(self, scheme: QuantScheme) -> bool:
-        return scheme.type == "int" and scheme.num_bits in SUPPORTED_BITS
+        # ggml's block grids (format ggml-blocks) and the Q4_K_M mixture are not compressed-tensors int weights
+        return scheme.type == "int" and scheme.num_bits in SUPPORTED_BITS and scheme.grid in (None, "q4_0", "q8_0")
 
     def build_module(self, qw: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
         return PackedIntLinear.from_quantized(qw, bias)

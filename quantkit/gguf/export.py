@@ -1,7 +1,8 @@
 """`quantkit export gguf`: a checkpoint (quantkit's compressed-tensors output, or float) as one GGUF file.
 
 Quantized linears on a ggml grid (Q4_0: int4 group 32 with fp16 scales and zero points 0 / -1;
-Q8_0: symmetric int8 group 32, fp16 scales; `quantkit.gguf.grids`) are written code for code: the file
+Q8_0: symmetric int8 group 32, fp16 scales; `quantkit.gguf.grids`) are written code for code, and those
+kept as ggml blocks (Q5_0, Q4_K, Q6_K: format ggml-blocks, recipe gptq-q4_k_m) byte for byte: the file
 holds exactly what quantkit's solver chose. Tensors no algorithm quantized (embeddings, the output
 matrix, a float checkpoint's linears) are rounded to nearest on the type llama.cpp would give them
 (`quantkit.gguf.mixture`), and the closing summary says how many went which way. A quantized weight
@@ -26,7 +27,10 @@ from quantkit.errors import CheckpointError, OutputExistsError
 from quantkit.formats.checkpoint import read_config
 from quantkit.quantization_config import parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
-from quantkit.gguf import blocks, grids, metadata, mixture
+from quantkit.gguf import grids, metadata, mixture
+from quantkit.quant import ggml_blocks as blocks
+from quantkit.qmodules.ggml_linear import row_bytes
+from quantkit.quant.ggml import KIND
 from quantkit.quant.intq import rtn
 from quantkit.quant.packing import unpack_int32
 from quantkit.schemes import PRESETS, QuantScheme
@@ -34,6 +38,7 @@ from quantkit.schemes import PRESETS, QuantScheme
 log = logging.getLogger(__name__)
 
 PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx")
+BLOCK_GRIDS = ("q5_0", "q4_k", "q6_k")  # stored as ggml blocks (`weight_ggml`)
 
 
 @dataclass
@@ -53,6 +58,8 @@ class ExportSummary:
 
 def infer_file_type(config: dict, schemes: dict[str, QuantScheme]) -> str:
     """The file type a quantized checkpoint's linears are stored in exactly."""
+    if any(s.grid in BLOCK_GRIDS for s in schemes.values()):
+        return "Q4_K_M"  # the only mixture that puts K-quants on linears here (recipe gptq-q4_k_m)
     kinds = {grids.ggml_type_of(s) for s in schemes.values()}
     if len(kinds) == 1 and None not in kinds:
         return kinds.pop()
@@ -144,7 +151,7 @@ def _linear_schemes(config: dict, where: LazyCheckpoint) -> dict[str, QuantSchem
     probe = nn.Linear(1, 1, device="meta")
     out = {}
     for key in where.keys():
-        if key.endswith(".weight_packed") or (key.endswith(".weight") and key[: -len(".weight")] + ".weight_scale" in where):
+        if key.endswith((".weight_packed", ".weight_ggml")) or (key.endswith(".weight") and key[: -len(".weight")] + ".weight_scale" in where):
             module = key.rsplit(".", 1)[0]
             group = plan.lookup(module, probe)
             if group is None:
@@ -162,8 +169,8 @@ def _tensor_names(where: LazyCheckpoint, schemes: dict) -> list[str]:
     for key in sorted(where.keys()):
         module = key.rsplit(".", 1)[0]
         if module in schemes:
-            if key.endswith(".weight_packed") or (key.endswith(".weight") and schemes[module].num_bits == 8
-                                                   and module + ".weight_scale" in where):
+            if key.endswith((".weight_packed", ".weight_ggml")) or (key.endswith(".weight") and schemes[module].num_bits == 8
+                                                                     and module + ".weight_scale" in where):
                 names.append(module + ".weight")
             continue
         names.append(key)
@@ -185,6 +192,8 @@ def _codes(tensors: LazyCheckpoint, module: str, scheme: QuantScheme):
 
 
 def _quantized(tensors, module, scheme, gname, ftype, tied, config):
+    if scheme.grid in BLOCK_GRIDS:
+        return _blocks_as_stored(tensors, module, scheme, gname, ftype, tied, config)
     codes, scale, zp = _codes(tensors, module, scheme)
     want = mixture.tensor_type(gname, tuple(codes.shape), ftype, tied, config["num_hidden_layers"])
     have = grids.ggml_type_of(scheme)
@@ -198,6 +207,22 @@ def _quantized(tensors, module, scheme, gname, ftype, tied, config):
     else:
         c, d = grids.q8_0_blocks(codes, scale, module)
         raw = blocks.pack_q8_0(c, d)
+    return _rows(raw, module + ".weight", config), have
+
+
+def _blocks_as_stored(tensors, module, scheme, gname, ftype, tied, config):
+    """A linear kept as ggml blocks: its bytes as they are (rows reordered as the converter does)."""
+    rows, cols = (int(v) for v in tensors.get(module + ".weight_shape"))
+    have = KIND[scheme.grid]
+    want = mixture.tensor_type(gname, (rows, cols), ftype, tied, config["num_hidden_layers"])
+    if have != want:
+        raise CheckpointError(f"{module} ({gname}) is stored as ggml {have}, but GGUF file type {ftype} puts {want} "
+                              "there; export with the file type it was quantized for (q4_k_m)")
+    raw = tensors.get(module + ".weight_ggml").numpy()
+    expected = row_bytes(have, cols)
+    if raw.dtype != np.uint8 or raw.shape != (rows, expected):
+        raise CheckpointError(f"{module}.weight_ggml: {raw.dtype} {list(raw.shape)}, expected uint8 [{rows}, {expected}] "
+                              f"for {have} with {cols} inputs: the checkpoint is damaged")
     return _rows(raw, module + ".weight", config), have
 
 

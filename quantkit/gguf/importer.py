@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from quantkit.gguf import blocks, grids, metadata
+from quantkit.gguf import grids, metadata
+from quantkit.quant import ggml_blocks as blocks
 from quantkit.quant.intq import QuantizedWeight
 from quantkit.schemes import QuantScheme
 

@@ -3,8 +3,10 @@ error onto the columns not yet quantized through the inverse Hessian H = 2/n sum
 
 Pure functions of (W, H, scheme): no modules, no hooks. Symbols follow the paper: W, H, Hinv, Q.
 The grid is an int scheme's (`gptq_quantize`: scales min/max per group, fixed up front or as each
-group is reached) or e4m3 on given scales (`gptq_quantize_fp8`: the scales of the nearest
-rounding, fixed up front; each column is rounded to nearest e4m3 of w / s, saturating).
+group is reached), e4m3 on given scales (`gptq_quantize_fp8`: the scales of the nearest
+rounding, fixed up front; each column is rounded to nearest e4m3 of w / s, saturating), or one of
+ggml's block grids (`gptq_quantize_ggml`: Q5_0, Q4_K, Q6_K; each super-block's d as it is reached,
+each sub-block's scale as its first column is reached, from the error-compensated weights).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.quant import ggml
 from quantkit.quant.fp8 import FP8_DTYPE, FP8_MAX
 from quantkit.quant.intq import QuantizedWeight, compute_qparams, minmax_qparams, searched_grid_qparams
 from quantkit.schemes import QuantScheme
@@ -227,6 +230,61 @@ def gptq_quantize_fp8(
     s_cols = None  # (the closure's cell: the expanded scales go too)
     codes = _codes_in_order(Qt, perm if actorder else None).view(FP8_DTYPE)  # [out, in], original column order
     return codes, int(dead.sum())
+
+
+def gptq_quantize_ggml(
+    W: "torch.Tensor | list[torch.Tensor]",
+    H: torch.Tensor,
+    scheme: QuantScheme,
+    block_size: int = 128,
+    dampening_frac: float = 0.01,
+    overwrite: bool = False,
+    scale_search: bool = True,
+) -> tuple[ggml.GGMLWeight, int]:
+    """W [out, in] (or weights sharing the input, stacked) on a ggml block grid (`quantkit.quant.ggml`), and
+    the count of dead columns. Left to right (no act-order: the grid's blocks are contiguous). When the
+    solver reaches a super-block (256 columns; Q5_0: a block of 32) its d (and dmin) are fitted to its
+    current, error-compensated weights; when it reaches a sub-block, that sub-block's scale (and minimum)
+    against them; GPTQ then picks each code on those steps. scale_search: fits weigh each column's error
+    by diag(H) among searched candidates (`ggml.fit_*`); else ggml's plain rule."""
+    if isinstance(W, (list, tuple)):
+        W, diag, dead, _, _, _ = _stack_permuted(W, H, scheme, torch.float16, False)
+    else:
+        W, diag, dead = _prepare(W, H, overwrite)
+    out_f, n = W.shape
+    fit = ggml.Fitter(scheme, out_f, n, W.device)
+    kind = fit.kind
+    span, sub = ggml.SPAN[kind], ggml.SUB[kind]
+    lo, hi = ggml.CODES[kind]
+    Hinv = inverse_hessian_factor(H, dampening_frac, None, dead)
+    block_size = math.ceil(block_size / span) * span  # a span's columns are all in one lazy block
+    importance = diag if scale_search else None
+
+    def h_of(j: int, width: int) -> Optional[torch.Tensor]:
+        return None if importance is None else importance[j : j + width]
+
+    def round_column(j: int, W1: torch.Tensor, i: int, q: torch.Tensor, deq: torch.Tensor) -> None:
+        if j % span == 0:
+            fit.fit_span(j, W1[i : i + span].t(), h_of(j, span))
+        k = j // sub
+        if j % sub == 0:
+            fit.fit_sub(j, W1[i : i + sub].t(), h_of(j, sub))
+        s = fit.step_rows[k]
+        w = W1[i]
+        if fit.offset_rows is not None:
+            off = fit.offset_rows[k]
+            torch.add(w, off, out=q)
+        else:
+            off = None
+            q.copy_(w)
+        q.div_(torch.where(s == 0, torch.ones_like(s), s)).round_().clamp_(lo, hi)
+        torch.mul(q, s, out=deq)
+        if off is not None:
+            deq.sub_(off)
+
+    Qt = _solve_columns(W, Hinv, block_size, round_column, torch.int8)
+    del W, Hinv
+    return fit.weight(_codes_in_order(Qt, None)), int(dead.sum())
 
 
 def _codes_in_order(Qt: torch.Tensor, perm: Optional[torch.Tensor]) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""ggml block layouts as bytes (numpy, no torch): Q8_0 and Q4_0 (blocks of 32 weights along a row),
-Q6_K (super-blocks of 256).
+"""ggml block layouts as bytes (numpy, no torch), packed and unpacked: Q8_0, Q4_0 and Q5_0 (blocks of 32
+weights along a row), Q4_K and Q6_K (super-blocks of 256); and their values as ggml computes them.
 
 Q8_0: one fp16 d, then 32 int8 codes; x = d q (34 bytes). Q4_0: one fp16 d, then 16 bytes of
 nibbles in split-half order (byte j holds element j in its low nibble and element j + 16 in its
@@ -131,15 +131,76 @@ def pack_q4_k(q: np.ndarray, sc: np.ndarray, m: np.ndarray, d: np.ndarray, dmin:
     return out.reshape(rows, -1)
 
 
-def dequantize(kind: str, raw: np.ndarray, cols: int) -> np.ndarray:
-    """float32 [rows, cols] values of Q8_0 / Q4_0 blocks (d widened to float32, times the code: exact)."""
-    if kind == "Q8_0":
-        codes, d = unpack_q8_0(raw, cols)
-        vals = codes.astype(np.float32)
-    elif kind == "Q4_0":
-        q, d = unpack_q4_0(raw, cols)
-        vals = q.astype(np.float32) - 8.0
-    else:
-        raise ValueError(f"no block layout for {kind}")
+def unpack_q5_0(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `pack_q5_0`: (q uint8 in 0..31 [rows, cols], d float16 [rows, cols / 32])."""
+    d, rest = _split("Q5_0", raw, cols)
     rows = raw.shape[0]
-    return (vals.reshape(rows, -1, BLOCK) * d.astype(np.float32)[:, :, None]).reshape(rows, cols)
+    high = np.ascontiguousarray(rest[:, :, :4]).view("<u4").reshape(rows, -1, 1)
+    bits = ((high >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, blocks, 32]
+    nib = rest[:, :, 4:]
+    lo = np.concatenate([nib & 0x0F, nib >> 4], axis=-1)
+    return (lo | (bits << 4)).reshape(rows, cols), d
+
+
+def _supers(raw: np.ndarray, kind: str, cols: int) -> np.ndarray:
+    if cols % SUPER:
+        raise ValueError(f"a row of {cols} weights is not a whole number of {SUPER}-weight super-blocks")
+    return np.ascontiguousarray(raw, dtype=np.uint8).reshape(raw.shape[0], cols // SUPER, TYPE_BYTES[kind])
+
+
+def unpack_q4_k(raw: np.ndarray, cols: int) -> tuple[np.ndarray, ...]:
+    """The inverse of `pack_q4_k`: (q 0..15 [rows, cols], sc, m uint8 0..63 [rows, cols / 32], d, dmin float16
+    [rows, cols / 256])."""
+    b = _supers(raw, "Q4_K", cols)
+    rows, n = b.shape[:2]
+    d = np.ascontiguousarray(b[:, :, 0:2]).view("<f2").reshape(rows, n)
+    dmin = np.ascontiguousarray(b[:, :, 2:4]).view("<f2").reshape(rows, n)
+    s = b[:, :, 4:16]
+    sc = np.concatenate([s[..., 0:4] & 0x3F, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    m = np.concatenate([s[..., 4:8] & 0x3F, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = b[:, :, 16:].reshape(rows, n, 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+    return q, sc.reshape(rows, -1), m.reshape(rows, -1), d, dmin
+
+
+def unpack_q6_k(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The inverse of `pack_q6_k`: (q 0..63 [rows, cols], sub-scales int8 [rows, cols / 16], d float16
+    [rows, cols / 256])."""
+    b = _supers(raw, "Q6_K", cols)
+    rows, n = b.shape[:2]
+    ql = b[:, :, :128].reshape(rows, n, 2, 64)
+    qh = b[:, :, 128:192].reshape(rows, n, 2, 32)
+    lo = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # [rows, n, 2, 128]
+    hi = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)
+    q = (lo | (hi << 4)).reshape(rows, cols)
+    sub = np.ascontiguousarray(b[:, :, 192:208]).view(np.int8).reshape(rows, n * 16)
+    d = np.ascontiguousarray(b[:, :, 208:]).view("<f2").reshape(rows, n)
+    return q, sub, d
+
+
+def dequantize(kind: str, raw: np.ndarray, cols: int) -> np.ndarray:
+    """float32 [rows, cols] values of ggml blocks, in ggml's own arithmetic (float32, as
+    `dequantize_row_*` computes them): Q8_0 d q, Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_K (d sc) q - dmin m,
+    Q6_K (d s) (q - 32)."""
+    rows = raw.shape[0]
+    if kind in ("Q8_0", "Q4_0", "Q5_0"):
+        if kind == "Q8_0":
+            codes, d = unpack_q8_0(raw, cols)
+            vals = codes.astype(np.float32)
+        elif kind == "Q4_0":
+            q, d = unpack_q4_0(raw, cols)
+            vals = q.astype(np.float32) - 8.0
+        else:
+            q, d = unpack_q5_0(raw, cols)
+            vals = q.astype(np.float32) - 16.0
+        return (vals.reshape(rows, -1, BLOCK) * d.astype(np.float32)[:, :, None]).reshape(rows, cols)
+    if kind == "Q4_K":
+        q, sc, m, d, dmin = unpack_q4_k(raw, cols)
+        step = (np.repeat(d.astype(np.float32), 8, axis=1) * sc.astype(np.float32))[:, :, None]
+        off = (np.repeat(dmin.astype(np.float32), 8, axis=1) * m.astype(np.float32))[:, :, None]
+        return (step * q.reshape(rows, -1, BLOCK).astype(np.float32) - off).reshape(rows, cols)
+    if kind == "Q6_K":
+        q, sub, d = unpack_q6_k(raw, cols)
+        step = (np.repeat(d.astype(np.float32), 16, axis=1) * sub.astype(np.float32))[:, :, None]
+        return (step * (q.reshape(rows, -1, 16).astype(np.float32) - 32.0)).reshape(rows, cols)
+    raise ValueError(f"no block layout for {kind}")
