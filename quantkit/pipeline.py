@@ -155,7 +155,7 @@ def _assign_later_schemes(stage: Stage, stages: list[Stage], claimed: dict[str, 
             f"or add those modules to stages.{stage.index}.ignore"
         )
     stage.schemes = {n: stages[claimed[n]].scheme_of(n) for n in stage.modules}
-    blocks = [n for n, sc in stage.schemes.items() if sc.grid in ("q5_0", "q4_k", "q6_k")]
+    blocks = [n for n, sc in stage.schemes.items() if sc.grid in ("q4_1", "q5_0", "q4_k", "q6_k")]
     if blocks:
         raise QuantizationError(
             f"stage {stage.index} ({stage.spec.algorithm}) prepares weights for int grids, but {blocks[0]} is quantized "

@@ -55,9 +55,9 @@ class QuantScheme(StrictModel):
     # a GGUF grid (`quantkit.gguf`): ggml's own scale rule on group 32 with fp16 scales, so the codes are the
     # file's codes. q4_0 (x = d (q - 8), d = the group's signed extreme / -8) is stored asymmetric with
     # scale |d| and zero point 0 (d > 0) or -1 (d < 0); q8_0 (x = d q, d = absmax / 127) symmetric.
-    # q5_0, q4_k, q6_k are kept as ggml blocks (`quantkit.quant.ggml`; format ggml-blocks); q4_k_m is
+    # q4_1, q5_0, q4_k, q6_k are kept as ggml blocks (`quantkit.quant.ggml`; format ggml-blocks); q4_k_m is
     # llama.cpp's per-tensor mixture, resolved per linear into those grids and q8_0 (`quantkit.gguf.mixture`).
-    grid: Optional[Literal["q4_0", "q8_0", "q5_0", "q4_k", "q6_k", "q4_k_m"]] = None
+    grid: Optional[Literal["q4_0", "q8_0", "q4_1", "q5_0", "q4_k", "q6_k", "q4_k_m"]] = None
     scale_dtype: Optional[Literal["float16", "bfloat16", "float32"]] = None  # None: the checkpoint's dtype
 
     @model_validator(mode="before")
@@ -163,7 +163,8 @@ class QuantScheme(StrictModel):
 
 # GGUF grids as quantkit int schemes: (num_bits, symmetric, group_size: the columns sharing one step), fp16
 # scales for all. q4_0 and q8_0 are compressed-tensors int weights; the others ggml blocks (nominal fields).
-GRIDS: dict[str, tuple[int, bool, int]] = {"q4_0": (4, False, 32), "q8_0": (8, True, 32), "q5_0": (5, True, 32),
+GRIDS: dict[str, tuple[int, bool, int]] = {"q4_0": (4, False, 32), "q8_0": (8, True, 32), "q4_1": (4, False, 32),
+                                           "q5_0": (5, True, 32),
                                            "q4_k": (4, False, 32), "q6_k": (6, True, 16), "q4_k_m": (4, False, 32)}
 
 # Named presets are data: a recipe says `scheme: W4A16` or `scheme: {preset: W4A16, group_size: 64}`.
@@ -182,7 +183,8 @@ PRESETS: dict[str, dict] = {
     # GGUF's Q4_0 and Q8_0 grids (`quantkit export gguf` writes them without rounding again)
     "Q4_0": dict(num_bits=4, symmetric=False, strategy="group", group_size=32, grid="q4_0"),
     "Q8_0": dict(num_bits=8, symmetric=True, strategy="group", group_size=32, grid="q8_0"),
-    # ggml's Q5_0, Q4_K, Q6_K (kept as ggml blocks), and llama.cpp's Q4_K_M mixture of them (and Q8_0) per tensor
+    # ggml's Q4_1, Q5_0, Q4_K, Q6_K (kept as ggml blocks), and llama.cpp's Q4_K_M mixture of them (and Q8_0) per tensor
+    "Q4_1": dict(num_bits=4, symmetric=False, strategy="group", group_size=32, grid="q4_1"),
     "Q5_0": dict(num_bits=5, symmetric=True, strategy="group", group_size=32, grid="q5_0"),
     "Q4_K": dict(num_bits=4, symmetric=False, strategy="group", group_size=32, grid="q4_k"),
     "Q6_K": dict(num_bits=6, symmetric=True, strategy="group", group_size=16, grid="q6_k"),

@@ -479,7 +479,15 @@ def test_metadata_as_llama_cpp_converter_writes_it(tmp_path):
 
 # --- calibrated K-quants: Q5_0, Q4_K, Q6_K as ggml blocks (recipe gptq-q4_k_m) -----------------------
 
-@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q6_K"])
+def test_q4_1_bytes():
+    """Q4_1: fp16 d, fp16 m, then the nibbles split-half as Q4_0 (byte j: element j low, j + 16 high)."""
+    q = np.arange(32, dtype=np.uint8).reshape(1, 32) % 16
+    raw = blocks.pack_q4_1(q, np.array([[0.5]], np.float16), np.array([[-2.0]], np.float16))
+    assert raw.tobytes() == bytes([0x00, 0x38, 0x00, 0xC0]) + bytes((j % 16) | (((j + 16) % 16) << 4) for j in range(16))
+    assert np.array_equal(blocks.dequantize("Q4_1", raw, 32), q.astype(np.float32) * 0.5 - 2.0)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q4_K", "Q6_K"])
 def test_k_quant_blocks_unpack_and_values_as_gguf_py(kind):
     """Unpacking inverts packing field for field, and our float32 values of the bytes are gguf-py's bit for bit."""
     rng = np.random.default_rng(1)
@@ -488,6 +496,10 @@ def test_k_quant_blocks_unpack_and_values_as_gguf_py(kind):
     if kind == "Q5_0":
         fields = (rng.integers(0, 32, (rows, cols)).astype(np.uint8), d)
         raw, back = blocks.pack_q5_0(*fields), blocks.unpack_q5_0(blocks.pack_q5_0(*fields), cols)
+    elif kind == "Q4_1":
+        fields = (rng.integers(0, 16, (rows, cols)).astype(np.uint8), d, -np.abs(d[:, ::-1]).copy())
+        raw = blocks.pack_q4_1(*fields)
+        back = blocks.unpack_q4_1(raw, cols)
     elif kind == "Q4_K":
         fields = (rng.integers(0, 16, (rows, cols)).astype(np.uint8), rng.integers(0, 64, (rows, cols // 32)).astype(np.uint8),
                   rng.integers(0, 64, (rows, cols // 32)).astype(np.uint8), np.abs(d), np.abs(d[:, ::-1]).copy())
@@ -508,7 +520,7 @@ def _correlated_hessian(n: int, tokens: int = 2048) -> torch.Tensor:
     return X.t() @ X / tokens
 
 
-@pytest.mark.parametrize("grid", ["q5_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("grid", ["q4_1", "q5_0", "q4_k", "q6_k"])
 def test_gptq_on_k_quant_grids_beats_ggml_rounding_and_is_what_gguf_py_reads(grid):
     from quantkit.quant import ggml
     from quantkit.quant.gptq import gptq_quantize_ggml, hessian_error
@@ -525,7 +537,7 @@ def test_gptq_on_k_quant_grids_beats_ggml_rounding_and_is_what_gguf_py_reads(gri
     near = ggml.nearest(W, scheme)  # ggml's own parameter rule, codes to nearest (llama-quantize, no imatrix)
     e_gptq, e_near = hessian_error(W, gw.dequantize(), H), hessian_error(W, near.dequantize(), H)
     assert e_gptq < 0.8 * e_near, (e_gptq, e_near)
-    lo, hi = {"q5_0": (0, 31), "q4_k": (0, 15), "q6_k": (0, 63)}[grid]
+    lo, hi = {"q4_1": (0, 15), "q5_0": (0, 31), "q4_k": (0, 15), "q6_k": (0, 63)}[grid]
     assert int(gw.q.min()) >= lo and int(gw.q.max()) <= hi
 
 
@@ -555,10 +567,16 @@ def q4_k_m_models(tiny_models, tokenizer, tmp_path_factory):
     for name, src in (("wide", wide), ("tiny", tiny_models["llama"])):
         ckpt = _quantize(src, "gptq-q4_k_m", root / f"{name}-ckpt")
         out[name] = (src, ckpt, export_gguf(ckpt, root / f"{name}-q4_k_m.gguf", tokenizer_pre="default"))
+    for arch in ("qwen3", "gemma3_text"):  # llama.cpp loads the other architectures' Q4_K_M files too
+        src = tiny_models[arch]
+        ckpt = _quantize(src, "gptq-q4_k_m", root / f"{arch}-ckpt")
+        out[arch] = (src, ckpt, export_gguf(ckpt, root / f"{arch}-q4_k_m.gguf", tokenizer_pre="default"))
+    ckpt = _quantize(wide, "gptq-q4_1", root / "wide-q4_1")  # Q4_1: every linear, and token_embd by llama.cpp's rule
+    out["q4_1"] = (wide, ckpt, export_gguf(ckpt, root / "wide-q4_1.gguf", tokenizer_pre="default"))
     return out
 
 
-@pytest.mark.parametrize("case, kinds", [("wide", {"Q4_K", "Q6_K"}), ("tiny", {"Q5_0", "Q8_0"})])
+@pytest.mark.parametrize("case, kinds", [("wide", {"Q4_K", "Q6_K"}), ("tiny", {"Q5_0", "Q8_0"}), ("q4_1", {"Q4_1"})])
 def test_gptq_q4_k_m_checkpoint_holds_llama_cpp_types_and_exports_its_blocks(q4_k_m_models, case, kinds):
     from quantkit.qmodules.ggml_linear import GGMLLinear
     from quantkit.qmodules.int_linear import PackedIntLinear
@@ -567,8 +585,9 @@ def test_gptq_q4_k_m_checkpoint_holds_llama_cpp_types_and_exports_its_blocks(q4_
     config = json.loads((ckpt / "config.json").read_text())
     n_layers = config["num_hidden_layers"]
     fmt = config["quantization_config"]["format"]  # ggml blocks: not compressed-tensors int weights (vLLM refuses)
-    assert fmt == ("ggml-blocks" if case == "wide" else "mixed-precision")
-    assert summary.file_type == "Q4_K_M" and summary.exact == n_layers * 7 and summary.bytes == summary.path.stat().st_size
+    assert fmt == ("mixed-precision" if case == "tiny" else "ggml-blocks")
+    file_type = "Q4_1" if case == "q4_1" else "Q4_K_M"
+    assert summary.file_type == file_type and summary.exact == n_layers * 7 and summary.bytes == summary.path.stat().st_size
     tensors = _tensors(summary.path)
     model = load(ckpt, dtype=torch.float32)
     seen = set()
@@ -576,7 +595,7 @@ def test_gptq_q4_k_m_checkpoint_holds_llama_cpp_types_and_exports_its_blocks(q4_
         for hf, g in HF_TO_GGUF.items():
             gname = f"blk.{i}.{g}.weight"
             module = layer.get_submodule(hf)
-            want = mixture.tensor_type(gname, (module.out_features, module.in_features), "Q4_K_M",
+            want = mixture.tensor_type(gname, (module.out_features, module.in_features), file_type,
                                        config["tie_word_embeddings"], n_layers)
             t = tensors[gname]
             assert t.tensor_type.name == want, gname
@@ -591,7 +610,7 @@ def test_gptq_q4_k_m_checkpoint_holds_llama_cpp_types_and_exports_its_blocks(q4_
     assert len(rows) == n_layers * 7 and all(r["hessian_error_vs_rtn"] < 1.0 for r in rows)  # GPTQ under ggml's rounding
     # v_proj on a use_more_bits layer was solved apart from q/k (another grid); all three read the same input
     last = f"model.layers.{n_layers - 1}.self_attn"
-    assert len({r["scheme"] for r in rows if r["name"].startswith(last)}) == 2
+    assert len({r["scheme"] for r in rows if r["name"].startswith(last)}) == (1 if case == "q4_1" else 2)
     logits = model(torch.tensor([[1, 5, 9, 14]])).logits
     assert torch.isfinite(logits).all()
 
@@ -609,16 +628,16 @@ def test_awq_refuses_k_quant_targets(tiny_models, tmp_path):
 
 @pytest.mark.skipif(not (LLAMACPP / "bin" / "llama-quantize").is_file(),
                     reason="llama.cpp's tools are not built (bash ../shared/tools/build-llamacpp.sh)")
-@pytest.mark.parametrize("case", ["wide", "tiny"])
+@pytest.mark.parametrize("case", ["wide", "tiny", "qwen3", "gemma3_text", "q4_1"])
 def test_llama_cpp_reads_gptq_q4_k_m_as_its_own_q4_k_m(q4_k_m_models, tmp_path, case):
-    """Every tensor has the type llama-quantize gives it for Q4_K_M from the same model's f16 file, the file is
-    within 1% of its size, and llama.cpp scores it."""
+    """Every tensor has the type llama-quantize gives it for Q4_K_M (Q4_1) from the same model's f16 file, the
+    file is within 1% of its size, and llama.cpp scores it."""
     src, _, summary = q4_k_m_models[case]
     f16 = export_gguf(src, tmp_path / "f16.gguf", "f16", tokenizer_pre="default").path
     theirs = tmp_path / "theirs.gguf"
     with open(tmp_path / "quantize.log", "w") as log:
-        subprocess.run([str(LLAMACPP / "bin" / "llama-quantize"), str(f16), str(theirs), "Q4_K_M"], check=True,
-                       stdout=log, stderr=subprocess.STDOUT, timeout=300)
+        subprocess.run([str(LLAMACPP / "bin" / "llama-quantize"), str(f16), str(theirs), summary.file_type],
+                       check=True, stdout=log, stderr=subprocess.STDOUT, timeout=300)
     mine = {n: t.tensor_type.name for n, t in _tensors(summary.path).items()}
     assert mine == {n: t.tensor_type.name for n, t in _tensors(theirs).items()}
     assert abs(summary.bytes - theirs.stat().st_size) < 0.01 * theirs.stat().st_size

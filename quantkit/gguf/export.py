@@ -30,6 +30,7 @@ from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.gguf import grids, metadata, mixture
 from quantkit.quant import ggml_blocks as blocks
 from quantkit.qmodules.ggml_linear import row_bytes
+from quantkit.quant import ggml
 from quantkit.quant.ggml import KIND
 from quantkit.quant.intq import rtn
 from quantkit.quant.packing import unpack_int32
@@ -38,7 +39,7 @@ from quantkit.schemes import PRESETS, QuantScheme
 log = logging.getLogger(__name__)
 
 PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx")
-BLOCK_GRIDS = ("q5_0", "q4_k", "q6_k")  # stored as ggml blocks (`weight_ggml`)
+BLOCK_GRIDS = tuple(KIND)  # stored as ggml blocks (`weight_ggml`): q4_1, q5_0, q4_k, q6_k
 
 
 @dataclass
@@ -58,13 +59,15 @@ class ExportSummary:
 
 def infer_file_type(config: dict, schemes: dict[str, QuantScheme]) -> str:
     """The file type a quantized checkpoint's linears are stored in exactly."""
+    if schemes and all(s.grid == "q4_1" for s in schemes.values()):
+        return "Q4_1"
     if any(s.grid in BLOCK_GRIDS for s in schemes.values()):
         return "Q4_K_M"  # the only mixture that puts K-quants on linears here (recipe gptq-q4_k_m)
     kinds = {grids.ggml_type_of(s) for s in schemes.values()}
     if len(kinds) == 1 and None not in kinds:
         return kinds.pop()
     if not schemes:
-        raise CheckpointError("a float checkpoint: give the GGUF type to round it to (--type q8_0, q4_0, q4_k_m or f16)")
+        raise CheckpointError("a float checkpoint: give the GGUF type to round it to (--type q8_0, q4_0, q4_1, q4_k_m or f16)")
     shown = sorted({s.short() for s in schemes.values()})
     raise CheckpointError(f"the checkpoint's weights ({', '.join(shown)}) are not on one GGUF grid: GGUF holds Q4_0 "
                           "(int4 group 32) and Q8_0 (int8 symmetric group 32) with fp16 scales; quantize with "
@@ -244,6 +247,8 @@ def _float(tensor: torch.Tensor, hf_name, gname, ftype, tied, config, ckpt):
         data = blocks.pack_q4_k(*grids.nearest_q4_k(tensor))
     elif kind == "Q5_0":
         data = blocks.pack_q5_0(*grids.nearest_q5_0(tensor))
+    elif kind == "Q4_1":
+        data = ggml.nearest(tensor, QuantScheme(**PRESETS["Q4_1"])).to_blocks()
     else:
         qw = rtn(tensor, QuantScheme(**PRESETS[kind]), torch.float16)
         if kind == "Q8_0":

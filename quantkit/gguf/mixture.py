@@ -9,10 +9,10 @@ eighth, and every third between)."""
 
 from __future__ import annotations
 
-BLOCK_SIZE = {"Q4_0": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256, "F16": 1, "F32": 1}
-FILE_TYPES = {"Q4_0": "MOSTLY_Q4_0", "Q8_0": "MOSTLY_Q8_0", "Q4_K_M": "MOSTLY_Q4_K_M",
+BLOCK_SIZE = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256, "F16": 1, "F32": 1}
+FILE_TYPES = {"Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q8_0": "MOSTLY_Q8_0", "Q4_K_M": "MOSTLY_Q4_K_M",
               "F16": "MOSTLY_F16"}  # ftype -> gguf.LlamaFileType
-DEFAULT_TYPE = {"Q4_0": "Q4_0", "Q8_0": "Q8_0", "Q4_K_M": "Q4_K"}
+DEFAULT_TYPE = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q8_0": "Q8_0", "Q4_K_M": "Q4_K"}
 FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama.cpp's type when a row is not whole super-blocks
 
 

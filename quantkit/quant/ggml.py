@@ -1,7 +1,8 @@
-"""ggml's Q5_0, Q4_K and Q6_K grids as quantkit weights: their parameters fitted to weights (ggml's plain rule,
+"""ggml's Q4_1, Q5_0, Q4_K and Q6_K grids as quantkit weights: their parameters fitted to weights (ggml's plain rule,
 or searched under an importance such as diag(H)), codes on them, and their values in ggml's arithmetic.
 
 Every grid here is affine per sub-block: x = step * c - offset, c an integer in [lo, hi].
+- Q4_1: blocks of 32, step = d, offset = -m (fp16 d, m), c = q in [0, 15].
 - Q5_0: blocks of 32, step = d (fp16, signed), c = q - 16 in [-16, 15], no offset.
 - Q4_K: super-blocks of 256 = 8 sub-blocks of 32, step = d sc_j, offset = dmin m_j (fp16 d, dmin;
   6-bit sc_j, m_j), c = q in [0, 15].
@@ -24,11 +25,11 @@ import torch
 from quantkit.quant import ggml_blocks
 from quantkit.schemes import QuantScheme
 
-KIND = {"q5_0": "Q5_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}  # scheme grid -> ggml type (stored as ggml blocks)
-SPAN = {"Q5_0": 32, "Q4_K": 256, "Q6_K": 256}  # columns sharing the top-level parameters
-SUB = {"Q5_0": 32, "Q4_K": 32, "Q6_K": 16}  # columns sharing one step
-CODES = {"Q5_0": (-16, 15), "Q4_K": (0, 15), "Q6_K": (-32, 31)}  # c as the solver sees it
-CENTER = {"Q5_0": 16, "Q4_K": 0, "Q6_K": 32}  # the stored code is c + CENTER
+KIND = {"q4_1": "Q4_1", "q5_0": "Q5_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}  # scheme grid -> ggml type (ggml blocks)
+SPAN = {"Q4_1": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256}  # columns sharing the top-level parameters
+SUB = {"Q4_1": 32, "Q5_0": 32, "Q4_K": 32, "Q6_K": 16}  # columns sharing one step
+CODES = {"Q4_1": (0, 15), "Q5_0": (-16, 15), "Q4_K": (0, 15), "Q6_K": (-32, 31)}  # c as the solver sees it
+CENTER = {"Q4_1": 0, "Q5_0": 16, "Q4_K": 0, "Q6_K": 32}  # the stored code is c + CENTER
 SHRINK = tuple(1.0 - 0.05 * k for k in range(7))  # share of a range's extreme kept by a searched candidate
 SHRINK_K = (1.0, 0.9, 0.8, 0.7)  # Q4_K: each end of a sub-block's range, independently
 FP16_MAX = torch.finfo(torch.float16).max
@@ -48,11 +49,11 @@ class GGMLWeight:
     """One linear's weight on a ggml grid: the codes and parameters a GGUF block holds."""
 
     kind: str
-    q: torch.Tensor  # uint8 [out, in]: ggml's stored codes (Q5_0 0..31, Q4_K 0..15, Q6_K 0..63)
+    q: torch.Tensor  # uint8 [out, in]: ggml's stored codes (Q4_1, Q4_K 0..15, Q5_0 0..31, Q6_K 0..63)
     d: torch.Tensor  # float16 [out, in / SPAN]
-    sub: Optional[torch.Tensor]  # Q4_K: sc uint8 [out, in / 32]; Q6_K: int8 [out, in / 16]; Q5_0: None
+    sub: Optional[torch.Tensor]  # Q4_K: sc uint8 [out, in / 32]; Q6_K: int8 [out, in / 16]; else None
     scheme: QuantScheme
-    dmin: Optional[torch.Tensor] = None  # Q4_K: float16 [out, in / 256]
+    dmin: Optional[torch.Tensor] = None  # Q4_K: float16 [out, in / 256]; Q4_1: its m, float16 [out, in / 32]
     m: Optional[torch.Tensor] = None  # Q4_K: uint8 [out, in / 32]
 
     def steps(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -74,6 +75,8 @@ class GGMLWeight:
         d = self.d.cpu().numpy()
         if self.kind == "Q5_0":
             return ggml_blocks.pack_q5_0(q, d)
+        if self.kind == "Q4_1":
+            return ggml_blocks.pack_q4_1(q, d, self.dmin.cpu().numpy())
         if self.kind == "Q4_K":
             return ggml_blocks.pack_q4_k(q, self.sub.cpu().numpy(), self.m.cpu().numpy(), d, self.dmin.cpu().numpy())
         return ggml_blocks.pack_q6_k(q, self.sub.cpu().numpy(), d)
@@ -85,6 +88,9 @@ class GGMLWeight:
         if kind == "Q5_0":
             q, d = ggml_blocks.unpack_q5_0(raw, cols)
             return cls(kind, t(q), t(d), None, scheme)
+        if kind == "Q4_1":
+            q, d, m = ggml_blocks.unpack_q4_1(raw, cols)
+            return cls(kind, t(q), t(d), None, scheme, t(m))
         if kind == "Q4_K":
             q, sc, m, d, dmin = ggml_blocks.unpack_q4_k(raw, cols)
             return cls(kind, t(q), t(d), t(np.ascontiguousarray(sc)), scheme, t(dmin), t(np.ascontiguousarray(m)))
@@ -105,6 +111,8 @@ def _steps(kind, d, sub, dmin, m):
     d32 = d.float()
     if kind == "Q5_0":
         return d32, None
+    if kind == "Q4_1":
+        return d32, -dmin.float()  # x = d q + m
     per = SPAN[kind] // SUB[kind]
     step = d32.repeat_interleave(per, dim=-1) * sub.float()
     if kind == "Q6_K":
@@ -160,6 +168,29 @@ def fit_q5_0(x: torch.Tensor, h: Optional[torch.Tensor]) -> torch.Tensor:
             best = torch.where(better, d, best)
             best_err = torch.where(better, err, best_err)
     return best
+
+
+# -- Q4_1 -----------------------------------------------------------------------------------------
+
+def fit_q4_1(x: torch.Tensor, h: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d, m) float16 [...] of blocks x [..., 32]. h None: ggml's rule (d = (max - min) / 15, m = min); else
+    the candidate with the least h-weighted error: each end of the range pulled toward its middle by SHRINK_K."""
+    x = x.float()
+    lo, hi = x.amin(dim=-1), x.amax(dim=-1)
+    d, m = _fp16((hi - lo) / 15.0), _fp16(lo)
+    if h is None:
+        return d, m
+    best_err = _error("Q4_1", x, h, d.float(), -m.float())
+    mid = (lo + hi) / 2
+    for a in SHRINK_K:
+        for b in SHRINK_K:
+            lo_c, hi_c = mid - a * (mid - lo), mid + b * (hi - mid)
+            dc, mc = _fp16((hi_c - lo_c) / 15.0), _fp16(lo_c)
+            err = _error("Q4_1", x, h, dc.float(), -mc.float())
+            better = err < best_err
+            d, m = torch.where(better, dc, d), torch.where(better, mc, m)
+            best_err = torch.where(better, err, best_err)
+    return d, m
 
 
 # -- Q4_K -----------------------------------------------------------------------------------------
@@ -275,12 +306,12 @@ class Fitter:
             raise ValueError(f"{kind}: a row of {in_f} weights is not a whole number of {SPAN[kind]}-weight blocks")
         self.d = torch.zeros(out_f, in_f // SPAN[kind], dtype=torch.float16, device=device)
         nsub = in_f // SUB[kind]
-        self.sub = None if kind == "Q5_0" else torch.zeros(out_f, nsub, dtype=torch.uint8 if kind == "Q4_K" else torch.int8,
-                                                         device=device)
-        self.dmin = torch.zeros_like(self.d) if kind == "Q4_K" else None
+        self.sub = None if kind in ("Q4_1", "Q5_0") else \
+            torch.zeros(out_f, nsub, dtype=torch.uint8 if kind == "Q4_K" else torch.int8, device=device)
+        self.dmin = torch.zeros_like(self.d) if kind in ("Q4_K", "Q4_1") else None
         self.m = torch.zeros(out_f, nsub, dtype=torch.uint8, device=device) if kind == "Q4_K" else None
         self.step_rows = torch.zeros(nsub, out_f, device=device)
-        self.offset_rows = torch.zeros(nsub, out_f, device=device) if kind == "Q4_K" else None
+        self.offset_rows = torch.zeros(nsub, out_f, device=device) if kind in ("Q4_K", "Q4_1") else None
 
     def fit_span(self, j: int, x: torch.Tensor, h: Optional[torch.Tensor]) -> None:
         """The top-level parameters of the span starting at column j; x [out, SPAN] its current weights."""
@@ -288,6 +319,10 @@ class Fitter:
         if self.kind == "Q5_0":
             self.d[:, b] = fit_q5_0(x, h)
             self.step_rows[b] = self.d[:, b].float()
+        elif self.kind == "Q4_1":
+            self.d[:, b], self.dmin[:, b] = fit_q4_1(x, h)
+            self.step_rows[b] = self.d[:, b].float()
+            self.offset_rows[b] = -self.dmin[:, b].float()
         elif self.kind == "Q4_K":
             self.d[:, b], self.dmin[:, b] = fit_q4_k_super(x, h)
         else:
@@ -295,7 +330,7 @@ class Fitter:
 
     def fit_sub(self, j: int, x: torch.Tensor, h: Optional[torch.Tensor]) -> None:
         """The step of the sub-block starting at column j (K types); x [out, SUB] its current weights."""
-        if self.kind == "Q5_0":
+        if self.kind in ("Q4_1", "Q5_0"):
             return
         k, b = j // SUB[self.kind], j // SPAN[self.kind]
         d = self.d[:, b]
@@ -327,7 +362,10 @@ def nearest(w: torch.Tensor, scheme: QuantScheme, importance: Optional[torch.Ten
     hs = None if h is None else h.reshape(1, -1, span)
     if kind == "Q5_0":
         fit.d.copy_(fit_q5_0(xs, hs))
-        fit.step_rows.copy_(fit.d.float().t())
+    elif kind == "Q4_1":
+        d, m = fit_q4_1(xs, hs)
+        fit.d.copy_(d)
+        fit.dmin.copy_(m)
     else:
         per = span // sub
         xsub = x.reshape(out_f, -1, sub)

@@ -3,7 +3,8 @@ weights along a row), Q4_K and Q6_K (super-blocks of 256); and their values as g
 
 Q8_0: one fp16 d, then 32 int8 codes; x = d q (34 bytes). Q4_0: one fp16 d, then 16 bytes of
 nibbles in split-half order (byte j holds element j in its low nibble and element j + 16 in its
-high nibble), codes q in 0..15; x = d (q - 8) (18 bytes). Q6_K: 256 weights in 16 sub-blocks of
+high nibble), codes q in 0..15; x = d (q - 8) (18 bytes). Q4_1: fp16 d, fp16 m, nibbles as Q4_0;
+x = d q + m (20 bytes). Q6_K: 256 weights in 16 sub-blocks of
 16, x = d s_j (q - 32) with q in 0..63, int8 sub-scales s_j and one fp16 d; bytes: 128 of low nibbles
 (in each half of 128 weights, byte b holds weight b low and weight b + 64 high), 64 of high bit pairs
 (byte b of a half holds weights b, b + 32, b + 64, b + 96 at bits 0, 2, 4, 6), 16 sub-scales, d
@@ -22,7 +23,7 @@ import numpy as np
 
 BLOCK = 32
 SUPER = 256  # weights per K-quant super-block
-TYPE_BYTES = {"Q8_0": 2 + BLOCK, "Q4_0": 2 + BLOCK // 2, "Q5_0": 2 + 4 + BLOCK // 2,
+TYPE_BYTES = {"Q8_0": 2 + BLOCK, "Q4_0": 2 + BLOCK // 2, "Q4_1": 2 + 2 + BLOCK // 2, "Q5_0": 2 + 4 + BLOCK // 2,
               "Q4_K": 2 + 2 + 12 + SUPER // 2, "Q6_K": SUPER // 2 + SUPER // 4 + SUPER // 16 + 2}
 
 
@@ -77,6 +78,24 @@ def unpack_q4_0(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """The inverse of `pack_q4_0`: (q uint8 in 0..15 [rows, cols], d float16 [rows, cols / 32])."""
     d, nib = _split("Q4_0", raw, cols)
     return np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(raw.shape[0], cols), d
+
+
+def pack_q4_1(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """q uint8 in 0..15 [rows, cols], d and m float16 [rows, cols / 32] -> uint8 [rows, cols / 32 * 20]."""
+    rows, cols = q.shape
+    out = _with_scales("Q4_1", d, rows, cols)
+    out[:, :, 2:4] = np.ascontiguousarray(m, dtype="<f2").reshape(rows, -1, 1).view(np.uint8)
+    g = q.astype(np.uint8).reshape(rows, cols // BLOCK, BLOCK)
+    out[:, :, 4:] = g[:, :, : BLOCK // 2] | (g[:, :, BLOCK // 2 :] << 4)
+    return out.reshape(rows, -1)
+
+
+def unpack_q4_1(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The inverse of `pack_q4_1`: (q uint8 in 0..15 [rows, cols], d, m float16 [rows, cols / 32])."""
+    d, rest = _split("Q4_1", raw, cols)
+    m = np.ascontiguousarray(rest[:, :, :2]).view("<f2").reshape(d.shape)
+    nib = rest[:, :, 2:]
+    return np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(raw.shape[0], cols), d, m
 
 
 def pack_q6_k(q: np.ndarray, sub_scales: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -180,9 +199,13 @@ def unpack_q6_k(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray, np.
 
 def dequantize(kind: str, raw: np.ndarray, cols: int) -> np.ndarray:
     """float32 [rows, cols] values of ggml blocks, in ggml's own arithmetic (float32, as
-    `dequantize_row_*` computes them): Q8_0 d q, Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_K (d sc) q - dmin m,
+    `dequantize_row_*` computes them): Q8_0 d q, Q4_0 d (q - 8), Q4_1 d q + m, Q5_0 d (q - 16), Q4_K (d sc) q - dmin m,
     Q6_K (d s) (q - 32)."""
     rows = raw.shape[0]
+    if kind == "Q4_1":
+        q, d, m = unpack_q4_1(raw, cols)
+        g = q.reshape(rows, -1, BLOCK).astype(np.float32) * d.astype(np.float32)[:, :, None]
+        return (g + m.astype(np.float32)[:, :, None]).reshape(rows, cols)
     if kind in ("Q8_0", "Q4_0", "Q5_0"):
         if kind == "Q8_0":
             codes, d = unpack_q8_0(raw, cols)
