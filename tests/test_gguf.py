@@ -415,20 +415,25 @@ def test_llama_cpp_loads_and_scores(gguf_models, tmp_path, arch):
     assert np.isfinite(ppl) and 1.0 < ppl < 5 * 512  # a random tiny model: near its vocabulary size
 
 
-@pytest.mark.skipif(not (LLAMACPP / "bin" / "llama-quantize").is_file(),
-                    reason="llama.cpp's tools are not built (bash ../shared/tools/build-llamacpp.sh)")
-def test_q4_k_m_types_equal_llama_quantize(tokenizer, tmp_path):
-    """A float model wide enough for K-quants (hidden 256, 8 layers): `--type q4_k_m` gives every tensor the
-    type llama-quantize gives it from our f16 file, and llama.cpp scores the file."""
+def _wide_llama(tokenizer, path: Path) -> Path:
+    """A random llama wide enough for K-quants (hidden 256, intermediate 512, 8 layers), untied."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512,
                                   num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=256, tie_word_embeddings=False)
-    src = tmp_path / "wide"
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(src)
-    tokenizer.save_pretrained(src)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.skipif(not (LLAMACPP / "bin" / "llama-quantize").is_file(),
+                    reason="llama.cpp's tools are not built (bash ../shared/tools/build-llamacpp.sh)")
+def test_q4_k_m_types_equal_llama_quantize(tokenizer, tmp_path):
+    """A float model wide enough for K-quants (hidden 256, 8 layers): `--type q4_k_m` gives every tensor the
+    type llama-quantize gives it from our f16 file, and llama.cpp scores the file."""
+    src = _wide_llama(tokenizer, tmp_path / "wide")
     f16 = export_gguf(src, tmp_path / "f16.gguf", "f16", tokenizer_pre="default").path
     ours = export_gguf(src, tmp_path / "ours.gguf", "q4_k_m", tokenizer_pre="default").path
     theirs = tmp_path / "theirs.gguf"
@@ -553,16 +558,8 @@ def test_k_quant_schemes_validate():
 def q4_k_m_models(tiny_models, tokenizer, tmp_path_factory):
     """gptq-q4_k_m checkpoints and their GGUF exports: a llama wide enough for K-quants (hidden 256, 8 layers:
     Q4_K, Q6_K) and the tiny llama (hidden 64: llama.cpp's fallbacks Q5_0, and Q8_0 for Q6_K's tensors)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("q4km")
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512,
-                                  num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=256, tie_word_embeddings=False)
-    wide = root / "wide"
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(wide)
-    tokenizer.save_pretrained(wide)
+    wide = _wide_llama(tokenizer, root / "wide")
     out = {}
     for name, src in (("wide", wide), ("tiny", tiny_models["llama"])):
         ckpt = _quantize(src, "gptq-q4_k_m", root / f"{name}-ckpt")

@@ -110,9 +110,9 @@ def test_smollm2_fp8_end_to_end(smollm2, tmp_path):
     dyn = quantize("smollm2-135m", load_recipe("fp8-dynamic"), tmp_path / "dyn", progress=False)
     ppl_dyn = perplexity(quantkit.load(dyn.output, dtype=torch.float32), ids, seq_len=512, max_windows=2).ppl
     assert original.ppl < ppl_dyn < 1.05 * original.ppl  # FP8 costs ~2% here
-    small = ["calibration.num_samples=16", "calibration.seq_len=256"]
-    # the same layout with GPTQ's codes (measured here: Hessian error 0.27 of nearest's on average,
-    # ppl 36.27 against fp8-dynamic's 36.91 on these two windows)
+    small = ["calibration.num_samples=8", "calibration.seq_len=256"]
+    # the same layout with GPTQ's codes (measured with 8 x 256 calibration tokens: ppl 36.79 against
+    # fp8-dynamic's 37.24 on these two windows, original 35.69; 16 x 256 gave 36.27 / 36.91 and took ~10 s more)
     gptq = quantize("smollm2-135m", load_recipe("gptq-fp8-dynamic", small), tmp_path / "gptq", progress=False)
     ratios = [r["hessian_error_vs_rtn"] for r in gptq.result.layers]
     assert max(ratios) < 1.0 and sum(ratios) / len(ratios) < 0.5
