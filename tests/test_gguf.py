@@ -642,3 +642,28 @@ def test_llama_cpp_reads_gptq_q4_k_m_as_its_own_q4_k_m(q4_k_m_models, tmp_path, 
     text.write_text(Path(__file__).resolve().parents[1].joinpath("calibration_data", "prideprejudice.txt")
                     .read_text(encoding="utf-8")[:20000], encoding="utf-8")
     assert np.isfinite(_llama_perplexity(summary.path, text, tmp_path / "ppl.log"))
+
+
+def test_gptq_keeps_ggml_rounding_for_weights_already_on_the_grid():
+    """A model converted from this very GGUF type (Gemma's demo source is Q4_K_M) has weights on the Q4_K grid
+    but for bf16's rounding: ggml's own rounding is near exact there and GPTQ's compensation adds error, so the
+    stage keeps the nearest rounding for such a linear and says so."""
+    from torch import nn
+
+    from quantkit.algorithms.gptq import GPTQ, GPTQConfig
+    from quantkit.quant import ggml
+
+    torch.manual_seed(0)
+    scheme = resolve_scheme("Q4_K", {})
+    W = torch.randn(64, 512) * 0.05
+    linear = nn.Linear(512, 64, bias=False)
+    linear.weight.data = ggml.nearest(W, scheme).dequantize().to(torch.bfloat16).float()
+    X = torch.randn(4, 256, 512) @ (0.3 * torch.randn(512, 512) + torch.eye(512))
+    stage = GPTQ(GPTQConfig(scale_search=True), scheme)
+    stage.begin_layer({"a": linear}, [["a"]])
+    stage.observe("a", X)
+    out = stage.quantize_layer({"a": linear}, [["a"]], torch.bfloat16)["a"]
+    report = stage.report["a"]
+    assert report["kept"].startswith("nearest") and report["hessian_error_vs_rtn"] == 1.0
+    near = ggml.nearest(linear.weight.data, scheme)
+    assert torch.equal(out.dequantize(), near.dequantize())
