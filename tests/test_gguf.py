@@ -270,6 +270,12 @@ def test_export_holds_the_solvers_codes(gguf_models, arch):
     assert ("output.weight" in tensors) == untied
     if untied:
         assert tensors["output.weight"].tensor_type.name == "Q8_0"  # hidden 64: Q6_K falls back
+    if arch == "qwen2":  # the quantized q/k/v linears' biases are written too (they were dropped once)
+        model = load(ckpt, dtype=torch.float32)
+        for i, layer in enumerate(model.model.layers):
+            for hf, g in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
+                bias = layer.self_attn.get_submodule(hf).bias.detach().float().numpy()
+                assert np.array_equal(np.asarray(tensors[f"blk.{i}.{g}.bias"].data), bias)
     if arch == "gemma3_text":  # norms written as 1 + w, as llama.cpp's converter does
         model = load(src, dtype=torch.float32)
         w = model.model.layers[0].input_layernorm.weight.detach().numpy()
@@ -564,8 +570,9 @@ def q4_k_m_models(tiny_models, tokenizer, tmp_path_factory):
     for name, src in (("wide", wide), ("tiny", tiny_models["llama"])):
         ckpt = _quantize(src, "gptq-q4_k_m", root / f"{name}-ckpt")
         out[name] = (src, ckpt, export_gguf(ckpt, root / f"{name}-q4_k_m.gguf", tokenizer_pre="default"))
-    for arch in ("qwen3", "gemma3_text"):  # llama.cpp loads the other architectures' Q4_K_M files too
-        src = tiny_models[arch]
+    archs = {"qwen2": make_tiny_model("qwen2", root / "qwen2-src", tokenizer), **tiny_models}
+    for arch in ("qwen2", "qwen3", "gemma3_text"):  # llama.cpp loads the other architectures' Q4_K_M files too
+        src = archs[arch]
         ckpt = _quantize(src, "gptq-q4_k_m", root / f"{arch}-ckpt")
         out[arch] = (src, ckpt, export_gguf(ckpt, root / f"{arch}-q4_k_m.gguf", tokenizer_pre="default"))
     ckpt = _quantize(wide, "gptq-q4_1", root / "wide-q4_1")  # Q4_1: every linear, and token_embd by llama.cpp's rule
@@ -625,7 +632,7 @@ def test_awq_refuses_k_quant_targets(tiny_models, tmp_path):
 
 @pytest.mark.skipif(not (LLAMACPP / "bin" / "llama-quantize").is_file(),
                     reason="llama.cpp's tools are not built (bash ../shared/tools/build-llamacpp.sh)")
-@pytest.mark.parametrize("case", ["wide", "tiny", "qwen3", "gemma3_text", "q4_1"])
+@pytest.mark.parametrize("case", ["wide", "tiny", "qwen2", "qwen3", "gemma3_text", "q4_1"])
 def test_llama_cpp_reads_gptq_q4_k_m_as_its_own_q4_k_m(q4_k_m_models, tmp_path, case):
     """Every tensor has the type llama-quantize gives it for Q4_K_M (Q4_1) from the same model's f16 file, the
     file is within 1% of its size, and llama.cpp scores it."""

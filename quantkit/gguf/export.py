@@ -175,6 +175,8 @@ def _tensor_names(where: LazyCheckpoint, schemes: dict) -> list[str]:
             if key.endswith((".weight_packed", ".weight_ggml")) or (key.endswith(".weight") and schemes[module].num_bits == 8
                                                                      and module + ".weight_scale" in where):
                 names.append(module + ".weight")
+            elif key.endswith(".bias"):  # a quantized linear's bias (qwen2's q/k/v) is written as it is
+                names.append(key)
             continue
         names.append(key)
     return names
