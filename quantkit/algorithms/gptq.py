@@ -105,8 +105,8 @@ class GPTQ(Algorithm):
             if input_scale is not None:
                 result[name].input_scale = input_scale
             report[name] = self._metrics(linears[name].weight.data, result[name], nearest[name], H, solve)
-            if ggml.is_block_grid(self.scheme) and (report[name].get("hessian_error_vs_rtn") or 0.0) > 1.0:
-                # weights that already sit on the grid (a model converted from this very GGUF type): ggml's own
+            if self.scheme.grid is not None and (report[name].get("hessian_error_vs_rtn") or 0.0) > 1.0:
+                # a GGUF grid, weights already on it (a model converted from this very GGUF type): ggml's own
                 # rounding is near exact and GPTQ's compensation only adds error; keep the better of the two
                 result[name] = nearest[name]
                 err = hessian_error(linears[name].weight.data, nearest[name].dequantize(), H)

@@ -6,7 +6,8 @@ Every grid here is affine per sub-block: x = step * c - offset, c an integer in 
 - Q5_0: blocks of 32, step = d (fp16, signed), c = q - 16 in [-16, 15], no offset.
 - Q4_K: super-blocks of 256 = 8 sub-blocks of 32, step = d sc_j, offset = dmin m_j (fp16 d, dmin;
   6-bit sc_j, m_j), c = q in [0, 15].
-- Q6_K: super-blocks of 256 = 16 sub-blocks of 16, step = d s_j (fp16 d, int8 s_j), c = q - 32 in [-32, 31].
+- Q6_K: super-blocks of 256 = 16 sub-blocks of 16, step = d s_j (fp16 d, int8 s_j), c = q - 32 in [-32, 31];
+  d = the largest (signed) sub-block scale / -128, as ggml sets it.
 A fit is two-level for the K types: d (and dmin) per super-block, then each sub-block's 6- or 8-bit
 scale against them, so GPTQ can fix d when it reaches a super-block and each sub-scale when it reaches
 that sub-block (`SPAN`, `SUB`). The values `GGMLWeight.dequantize` computes are ggml's `dequantize_row_*`
@@ -263,20 +264,28 @@ def fit_q4_k_sub(x: torch.Tensor, h: Optional[torch.Tensor], d: torch.Tensor, dm
 
 def _best_float_k6(x: torch.Tensor, h: Optional[torch.Tensor]) -> torch.Tensor:
     """Each 16-weight sub-block's best unrounded scale [...]: its signed extreme on code -32 (or, searching,
-    on -32 or +31, shrunk by SHRINK)."""
+    on -32 or +31, shrunk by SHRINK, and each candidate's least-squares scale for its own codes, which finds
+    the grid's scale again where the weights already sit on a Q6_K grid)."""
     ext = _signed_extreme(x)
     if h is None:
         return ext / -32.0
     cands = torch.stack([ext * f / lv for lv in (-32.0, 31.0) for f in SHRINK], dim=-1)  # [..., n]
-    err = _error("Q6_K", x.unsqueeze(-2), h.unsqueeze(-2), cands, None)
+    xe, he = x.unsqueeze(-2), h.unsqueeze(-2)
+    c = codes("Q6_K", xe, cands, None)  # [..., n, 16]
+    hc = he * c
+    den = (hc * c).sum(dim=-1)
+    ls = torch.where(den > 0, (hc * xe).sum(dim=-1) / torch.where(den > 0, den, torch.ones_like(den)), cands)
+    cands = torch.cat([cands, ls], dim=-1)
+    err = _error("Q6_K", xe, he, cands, None)
     return torch.gather(cands, -1, err.argmin(dim=-1, keepdim=True)).squeeze(-1)
 
 
 def fit_q6_k_super(x: torch.Tensor, h: Optional[torch.Tensor]) -> torch.Tensor:
-    """d float16 [...] of super-blocks x [..., 256]: the largest |sub-block scale| / 127."""
+    """d float16 [...] of super-blocks x [..., 256]: ggml's rule, the sub-block scale of largest magnitude
+    (signed) over -128, so that sub-block's scale is -128."""
     sub = x.float().reshape(*x.shape[:-1], 16, 16)
     hs = None if h is None else h.reshape(*h.shape[:-1], 16, 16)
-    return _fp16(_best_float_k6(sub, hs).abs().amax(dim=-1) / 127.0)
+    return _fp16(_signed_extreme(_best_float_k6(sub, hs)) / -128.0)
 
 
 def fit_q6_k_sub(x: torch.Tensor, h: Optional[torch.Tensor], d: torch.Tensor) -> torch.Tensor:
