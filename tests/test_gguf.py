@@ -666,7 +666,7 @@ def test_gptq_keeps_ggml_rounding_for_weights_already_on_the_grid():
     linear = nn.Linear(512, 64, bias=False)
     linear.weight.data = ggml.nearest(W, scheme).dequantize().to(torch.bfloat16).float()
     X = torch.randn(4, 256, 512) @ (0.3 * torch.randn(512, 512) + torch.eye(512))
-    stage = GPTQ(GPTQConfig(scale_search=True), scheme)
+    stage = GPTQ(GPTQConfig(scale_search=False), scheme)  # ggml's plain rule: GPTQ then moves off the grid
     stage.begin_layer({"a": linear}, [["a"]])
     stage.observe("a", X)
     out = stage.quantize_layer({"a": linear}, [["a"]], torch.bfloat16)["a"]
@@ -674,3 +674,19 @@ def test_gptq_keeps_ggml_rounding_for_weights_already_on_the_grid():
     assert report["kept"].startswith("nearest") and report["hessian_error_vs_rtn"] == 1.0
     near = ggml.nearest(linear.weight.data, scheme)
     assert torch.equal(out.dequantize(), near.dequantize())
+
+
+@pytest.mark.parametrize("grid", ["q4_k", "q6_k"])
+def test_searched_k_quant_fit_finds_an_existing_grid_again(grid):
+    """Weights already on a K-quant grid (rounded to bf16, as a model converted from that GGUF is): the searched
+    fit (least-squares refinement of each candidate) lands within 3x of bf16's own rounding error of them
+    (Gemma's Q4_K tensors were 400x off the grid before the refinement)."""
+    from quantkit.quant import ggml
+
+    torch.manual_seed(0)
+    scheme = resolve_scheme(grid.upper(), {})
+    grid_w = ggml.nearest(torch.randn(64, 512) * 0.05, scheme).dequantize()
+    on = grid_w.to(torch.bfloat16).float()
+    floor = float((grid_w - on).pow(2).sum() / on.pow(2).sum())
+    again = ggml.nearest(on, scheme, torch.rand(512) + 0.5).dequantize()
+    assert float((again - on).pow(2).sum() / on.pow(2).sum()) < 3 * floor

@@ -210,11 +210,28 @@ def _k4_candidates(x: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.T
     return scale, mins
 
 
+def _k4_refined(x: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates (scale, min) [..., n] with, for each, the h-weighted least-squares (scale, min) of its
+    own codes added (min >= 0, as Q4_K stores it): where the weights already sit on a Q4_K grid this finds
+    that grid's sub-block scale and minimum again."""
+    xe, he = x.unsqueeze(-2), h.unsqueeze(-2)  # [..., 1, 32]
+    q = codes("Q4_K", xe, scale, mins)  # [..., n, 32]
+    A, B, D = (he * q * q).sum(-1), (he * q).sum(-1), he.sum(-1).expand_as(scale)
+    C, E = (he * q * xe).sum(-1), (he * xe).sum(-1).expand_as(scale)
+    det = A * D - B * B
+    ok = det > 1e-12 * (A * D).clamp_min(1e-30)
+    s_ls = torch.where(ok, (C * D - B * E) / torch.where(ok, det, torch.ones_like(det)), scale).clamp_min(0.0)
+    m_ls = torch.where(ok, (s_ls * B - E) / D.clamp_min(1e-30), mins).clamp_min(0.0)
+    return torch.cat([scale, s_ls], dim=-1), torch.cat([mins, m_ls], dim=-1)
+
+
 def _best_float_k4(x: torch.Tensor, h: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sub-block's best unrounded (scale, min) [...] (the full range when h is None)."""
     scale, mins = _k4_candidates(x, h is not None)
     if h is None:
         return scale[..., 0], mins[..., 0]
+    scale, mins = _k4_refined(x, h, scale, mins)
     xe = x.unsqueeze(-2)  # [..., 1, 32]
     err = _error("Q4_K", xe, h.unsqueeze(-2), scale, mins)  # [..., n]
     pick = err.argmin(dim=-1, keepdim=True)
@@ -238,10 +255,13 @@ def _six_bits(v: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def fit_q4_k_sub(x: torch.Tensor, h: Optional[torch.Tensor], d: torch.Tensor, dmin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sc, m) uint8 [...] of sub-blocks x [..., 32] against their super-block's d, dmin [...]: the candidates'
-    6-bit roundings, then (searching) each +-1, by the h-weighted error on the 6-bit steps."""
+    (searching: with their least-squares refinements) 6-bit roundings, then (searching) each +-1, by the
+    h-weighted error on the 6-bit steps."""
     x = x.float()
     d32, dm32 = d.float().unsqueeze(-1), dmin.float().unsqueeze(-1)
     scale, mins = _k4_candidates(x, h is not None)
+    if h is not None:
+        scale, mins = _k4_refined(x, h, scale, mins)
     sc, m = _six_bits(scale, d32), _six_bits(mins, dm32)  # [..., n]
     if h is None:
         return sc[..., 0].to(torch.uint8), m[..., 0].to(torch.uint8)
