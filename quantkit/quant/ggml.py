@@ -33,6 +33,8 @@ CODES = {"Q4_1": (0, 15), "Q5_0": (-16, 15), "Q4_K": (0, 15), "Q6_K": (-32, 31)}
 CENTER = {"Q4_1": 0, "Q5_0": 16, "Q4_K": 0, "Q6_K": 32}  # the stored code is c + CENTER
 SHRINK = tuple(1.0 - 0.05 * k for k in range(7))  # share of a range's extreme kept by a searched candidate
 SHRINK_K = (1.0, 0.9, 0.8, 0.7)  # Q4_K: each end of a sub-block's range, independently
+LS_ROUNDS = 3  # Q4_K: least-squares refinements of each candidate (codes, then the pair fitting them)
+LEVELS_K = (12.0, 13.0, 13.5, 14.0, 14.5, 15.5, 16.0)  # Q4_K: the range spread over this many steps instead of 15
 FP16_MAX = torch.finfo(torch.float16).max
 
 
@@ -207,6 +209,10 @@ def _k4_candidates(x: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.T
     hi_c = (hi.unsqueeze(-1) * a).unsqueeze(-2)  # [..., 1, n]
     scale = ((hi_c - lo_c) / 15.0).flatten(-2)
     mins = (-lo_c).expand_as(hi_c - lo_c).flatten(-2)
+    if search:  # the full range over other numbers of steps (a grid whose codes do not reach 0 or 15)
+        levels = torch.tensor(LEVELS_K, device=x.device)
+        scale = torch.cat([scale, ((hi - lo).unsqueeze(-1) / levels)], dim=-1)
+        mins = torch.cat([mins, (-lo).unsqueeze(-1).expand(*lo.shape, len(LEVELS_K))], dim=-1)
     return scale, mins
 
 
@@ -216,13 +222,16 @@ def _k4_refined(x: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, mins: tor
     own codes added (min >= 0, as Q4_K stores it): where the weights already sit on a Q4_K grid this finds
     that grid's sub-block scale and minimum again."""
     xe, he = x.unsqueeze(-2), h.unsqueeze(-2)  # [..., 1, 32]
-    q = codes("Q4_K", xe, scale, mins)  # [..., n, 32]
-    A, B, D = (he * q * q).sum(-1), (he * q).sum(-1), he.sum(-1).expand_as(scale)
-    C, E = (he * q * xe).sum(-1), (he * xe).sum(-1).expand_as(scale)
-    det = A * D - B * B
-    ok = det > 1e-12 * (A * D).clamp_min(1e-30)
-    s_ls = torch.where(ok, (C * D - B * E) / torch.where(ok, det, torch.ones_like(det)), scale).clamp_min(0.0)
-    m_ls = torch.where(ok, (s_ls * B - E) / D.clamp_min(1e-30), mins).clamp_min(0.0)
+    s_ls, m_ls = scale, mins
+    for _ in range(LS_ROUNDS):  # codes on the current pair, then the pair that fits those codes best
+        q = codes("Q4_K", xe, s_ls, m_ls)  # [..., n, 32]
+        A, B, D = (he * q * q).sum(-1), (he * q).sum(-1), he.sum(-1).expand_as(scale)
+        C, E = (he * q * xe).sum(-1), (he * xe).sum(-1).expand_as(scale)
+        det = A * D - B * B
+        ok = det > 1e-12 * (A * D).clamp_min(1e-30)
+        s_new = torch.where(ok, (C * D - B * E) / torch.where(ok, det, torch.ones_like(det)), s_ls).clamp_min(0.0)
+        m_ls = torch.where(ok, (s_new * B - E) / D.clamp_min(1e-30), m_ls).clamp_min(0.0)
+        s_ls = s_new
     return torch.cat([scale, s_ls], dim=-1), torch.cat([mins, m_ls], dim=-1)
 
 
