@@ -33,8 +33,6 @@ CODES = {"Q4_1": (0, 15), "Q5_0": (-16, 15), "Q4_K": (0, 15), "Q6_K": (-32, 31)}
 CENTER = {"Q4_1": 0, "Q5_0": 16, "Q4_K": 0, "Q6_K": 32}  # the stored code is c + CENTER
 SHRINK = tuple(1.0 - 0.05 * k for k in range(7))  # share of a range's extreme kept by a searched candidate
 SHRINK_K = (1.0, 0.9, 0.8, 0.7)  # Q4_K: each end of a sub-block's range, independently
-LS_ROUNDS = 3  # Q4_K: least-squares refinements of each candidate (codes, then the pair fitting them)
-LEVELS_K = (12.0, 13.0, 13.5, 14.0, 14.5, 15.5, 16.0)  # Q4_K: the range spread over this many steps instead of 15
 FP16_MAX = torch.finfo(torch.float16).max
 
 
@@ -209,30 +207,7 @@ def _k4_candidates(x: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.T
     hi_c = (hi.unsqueeze(-1) * a).unsqueeze(-2)  # [..., 1, n]
     scale = ((hi_c - lo_c) / 15.0).flatten(-2)
     mins = (-lo_c).expand_as(hi_c - lo_c).flatten(-2)
-    if search:  # the full range over other numbers of steps (a grid whose codes do not reach 0 or 15)
-        levels = torch.tensor(LEVELS_K, device=x.device)
-        scale = torch.cat([scale, ((hi - lo).unsqueeze(-1) / levels)], dim=-1)
-        mins = torch.cat([mins, (-lo).unsqueeze(-1).expand(*lo.shape, len(LEVELS_K))], dim=-1)
     return scale, mins
-
-
-def _k4_refined(x: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The candidates (scale, min) [..., n] with, for each, the h-weighted least-squares (scale, min) of its
-    own codes added (min >= 0, as Q4_K stores it): where the weights already sit on a Q4_K grid this finds
-    that grid's sub-block scale and minimum again."""
-    xe, he = x.unsqueeze(-2), h.unsqueeze(-2)  # [..., 1, 32]
-    s_ls, m_ls = scale, mins
-    for _ in range(LS_ROUNDS):  # codes on the current pair, then the pair that fits those codes best
-        q = codes("Q4_K", xe, s_ls, m_ls)  # [..., n, 32]
-        A, B, D = (he * q * q).sum(-1), (he * q).sum(-1), he.sum(-1).expand_as(scale)
-        C, E = (he * q * xe).sum(-1), (he * xe).sum(-1).expand_as(scale)
-        det = A * D - B * B
-        ok = det > 1e-12 * (A * D).clamp_min(1e-30)
-        s_new = torch.where(ok, (C * D - B * E) / torch.where(ok, det, torch.ones_like(det)), s_ls).clamp_min(0.0)
-        m_ls = torch.where(ok, (s_new * B - E) / D.clamp_min(1e-30), m_ls).clamp_min(0.0)
-        s_ls = s_new
-    return torch.cat([scale, s_ls], dim=-1), torch.cat([mins, m_ls], dim=-1)
 
 
 def _best_float_k4(x: torch.Tensor, h: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +215,6 @@ def _best_float_k4(x: torch.Tensor, h: Optional[torch.Tensor]) -> tuple[torch.Te
     scale, mins = _k4_candidates(x, h is not None)
     if h is None:
         return scale[..., 0], mins[..., 0]
-    scale, mins = _k4_refined(x, h, scale, mins)
     xe = x.unsqueeze(-2)  # [..., 1, 32]
     err = _error("Q4_K", xe, h.unsqueeze(-2), scale, mins)  # [..., n]
     pick = err.argmin(dim=-1, keepdim=True)
@@ -264,13 +238,10 @@ def _six_bits(v: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def fit_q4_k_sub(x: torch.Tensor, h: Optional[torch.Tensor], d: torch.Tensor, dmin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sc, m) uint8 [...] of sub-blocks x [..., 32] against their super-block's d, dmin [...]: the candidates'
-    (searching: with their least-squares refinements) 6-bit roundings, then (searching) each +-1, by the
-    h-weighted error on the 6-bit steps."""
+    6-bit roundings, then (searching) each +-1, by the h-weighted error on the 6-bit steps."""
     x = x.float()
     d32, dm32 = d.float().unsqueeze(-1), dmin.float().unsqueeze(-1)
     scale, mins = _k4_candidates(x, h is not None)
-    if h is not None:
-        scale, mins = _k4_refined(x, h, scale, mins)
     sc, m = _six_bits(scale, d32), _six_bits(mins, dm32)  # [..., n]
     if h is None:
         return sc[..., 0].to(torch.uint8), m[..., 0].to(torch.uint8)
