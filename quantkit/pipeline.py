@@ -33,6 +33,7 @@ from quantkit.errors import QuantizationError
 from quantkit.catalog import checkpoint_namer, format_for
 from quantkit.formats.base import QuantFormat
 from quantkit.memory import release_free_memory
+from quantkit.quant.ggml import is_block_grid
 from quantkit.quant.intq import sqnr_db
 from quantkit.recipe import Recipe, StageSpec
 from quantkit.schemes import PRESETS, QuantScheme, resolve_scheme
@@ -155,7 +156,7 @@ def _assign_later_schemes(stage: Stage, stages: list[Stage], claimed: dict[str, 
             f"or add those modules to stages.{stage.index}.ignore"
         )
     stage.schemes = {n: stages[claimed[n]].scheme_of(n) for n in stage.modules}
-    blocks = [n for n, sc in stage.schemes.items() if sc.grid in ("q4_1", "q5_0", "q4_k", "q6_k")]
+    blocks = [n for n, sc in stage.schemes.items() if is_block_grid(sc)]
     if blocks:
         raise QuantizationError(
             f"stage {stage.index} ({stage.spec.algorithm}) prepares weights for int grids, but {blocks[0]} is quantized "

@@ -1,7 +1,7 @@
 """GPTQ as a pipeline stage: Hessians from calibration inputs (shared by linears that read the same
 input), the solver in `quantkit.quant.gptq`, dampening escalation and a loud RTN last resort.
 
-Int schemes get their min/max scales from the solver (ggml's block grids, Q5_0 / Q4_K / Q6_K: their
+Int schemes get their min/max scales from the solver (ggml's block grids, Q4_1 / Q5_0 / Q4_K / Q6_K: their
 parameters as each block is reached, `gptq_quantize_ggml`); FP8 schemes keep the scales of the nearest
 rounding (`fp8` stage, same observer) and GPTQ chooses the e4m3 codes on them, so the checkpoint
 layout is the `fp8` stage's; a static activation scale comes from the same calibration inputs.

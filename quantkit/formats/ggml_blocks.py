@@ -1,4 +1,4 @@
-"""`ggml-blocks`: quantkit's checkpoint format for linears on ggml's Q5_0, Q4_K and Q6_K grids, which
+"""`ggml-blocks`: quantkit's checkpoint format for linears on ggml's Q4_1, Q5_0, Q4_K and Q6_K grids, which
 compressed-tensors cannot express (Q4_K's per-sub-block minimum is no integer zero point): each such
 linear is stored as the GGUF bytes themselves (`weight_ggml`), its config group naming the ggml type.
 

@@ -2,7 +2,7 @@
 
 Quantized linears on a ggml grid (Q4_0: int4 group 32 with fp16 scales and zero points 0 / -1;
 Q8_0: symmetric int8 group 32, fp16 scales; `quantkit.gguf.grids`) are written code for code, and those
-kept as ggml blocks (Q5_0, Q4_K, Q6_K: format ggml-blocks, recipe gptq-q4_k_m) byte for byte: the file
+kept as ggml blocks (Q4_1, Q5_0, Q4_K, Q6_K: format ggml-blocks, recipes gptq-q4_1, gptq-q4_k_m) byte for byte: the file
 holds exactly what quantkit's solver chose. Tensors no algorithm quantized (embeddings, the output
 matrix, a float checkpoint's linears) are rounded to nearest on the type llama.cpp would give them
 (`quantkit.gguf.mixture`), and the closing summary says how many went which way. A quantized weight
@@ -29,7 +29,6 @@ from quantkit.quantization_config import parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.gguf import grids, metadata, mixture
 from quantkit.quant import ggml_blocks as blocks
-from quantkit.qmodules.ggml_linear import row_bytes
 from quantkit.quant import ggml
 from quantkit.quant.ggml import KIND
 from quantkit.quant.intq import rtn
@@ -39,7 +38,6 @@ from quantkit.schemes import PRESETS, QuantScheme
 log = logging.getLogger(__name__)
 
 PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx")
-BLOCK_GRIDS = tuple(KIND)  # stored as ggml blocks (`weight_ggml`): q4_1, q5_0, q4_k, q6_k
 
 
 @dataclass
@@ -61,7 +59,7 @@ def infer_file_type(config: dict, schemes: dict[str, QuantScheme]) -> str:
     """The file type a quantized checkpoint's linears are stored in exactly."""
     if schemes and all(s.grid == "q4_1" for s in schemes.values()):
         return "Q4_1"
-    if any(s.grid in BLOCK_GRIDS for s in schemes.values()):
+    if any(ggml.is_block_grid(s) for s in schemes.values()):
         return "Q4_K_M"  # the only mixture that puts K-quants on linears here (recipe gptq-q4_k_m)
     kinds = {grids.ggml_type_of(s) for s in schemes.values()}
     if len(kinds) == 1 and None not in kinds:
@@ -197,7 +195,7 @@ def _codes(tensors: LazyCheckpoint, module: str, scheme: QuantScheme):
 
 
 def _quantized(tensors, module, scheme, gname, ftype, tied, config):
-    if scheme.grid in BLOCK_GRIDS:
+    if ggml.is_block_grid(scheme):
         return _blocks_as_stored(tensors, module, scheme, gname, ftype, tied, config)
     codes, scale, zp = _codes(tensors, module, scheme)
     want = mixture.tensor_type(gname, tuple(codes.shape), ftype, tied, config["num_hidden_layers"])
@@ -224,7 +222,7 @@ def _blocks_as_stored(tensors, module, scheme, gname, ftype, tied, config):
         raise CheckpointError(f"{module} ({gname}) is stored as ggml {have}, but GGUF file type {ftype} puts {want} "
                               "there; export with the file type it was quantized for (q4_k_m)")
     raw = tensors.get(module + ".weight_ggml").numpy()
-    expected = row_bytes(have, cols)
+    expected = blocks.row_bytes(have, cols)
     if raw.dtype != np.uint8 or raw.shape != (rows, expected):
         raise CheckpointError(f"{module}.weight_ggml: {raw.dtype} {list(raw.shape)}, expected uint8 [{rows}, {expected}] "
                               f"for {have} with {cols} inputs: the checkpoint is damaged")

@@ -1,4 +1,4 @@
-"""GGMLLinear: a linear layer whose weight is kept as ggml blocks (Q5_0, Q4_K, Q6_K), the bytes a GGUF file holds.
+"""GGMLLinear: a linear layer whose weight is kept as ggml blocks (Q4_1, Q5_0, Q4_K, Q6_K), the bytes a GGUF file holds.
 
 Its state dict is the checkpoint's `weight_ggml` (uint8 [out, bytes per row]) and `weight_shape`; the grid is
 the module's scheme (from the checkpoint's config). It runs by dequantizing in ggml's own arithmetic
@@ -16,13 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.quant.ggml import GGMLWeight, kind_of
-from quantkit.quant.ggml_blocks import SUPER, TYPE_BYTES
+from quantkit.quant.ggml_blocks import row_bytes
 from quantkit.schemes import QuantScheme
-
-
-def row_bytes(kind: str, in_features: int) -> int:
-    per = SUPER if kind.endswith("_K") else 32
-    return in_features // per * TYPE_BYTES[kind]
 
 
 class GGMLLinear(nn.Module):

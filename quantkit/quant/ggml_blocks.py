@@ -27,6 +27,11 @@ TYPE_BYTES = {"Q8_0": 2 + BLOCK, "Q4_0": 2 + BLOCK // 2, "Q4_1": 2 + 2 + BLOCK /
               "Q4_K": 2 + 2 + 12 + SUPER // 2, "Q6_K": SUPER // 2 + SUPER // 4 + SUPER // 16 + 2}
 
 
+def row_bytes(kind: str, cols: int) -> int:
+    """Bytes of one row of `cols` weights in ggml type `kind` (K-quants: super-blocks of 256; others: 32)."""
+    return cols // (SUPER if kind.endswith("_K") else BLOCK) * TYPE_BYTES[kind]
+
+
 def _blocks(rows: int, cols: int) -> int:
     if cols % BLOCK:
         raise ValueError(f"a row of {cols} weights is not a whole number of {BLOCK}-weight blocks")
