@@ -284,10 +284,14 @@ def _stage_extra(stage: Stage, linears: dict[str, nn.Module], adapter, cal, toke
         return 0
     widths = [g[0].in_features for g in groups]
     if name == "gptq":
-        # solving group k: the Hessians of groups k and later (earlier ones are freed), one n_k^2 copy that
-        # is factorized and inverted in place, and the float32 working copy of the group's stacked weight
-        return max(sum(4 * n * n for n in widths[k:]) + 4 * widths[k] ** 2
-                   + 4 * widths[k] * sum(m.out_features for m in groups[k]) for k in range(len(groups)))
+        # solving group k: the Hessians of groups k and later (earlier ones are freed; group k's own waits on
+        # disk when it is at least park_hessian_bytes), one n_k^2 copy that is factorized and inverted in
+        # place, and the float32 working copy of the group's stacked weight
+        limit = getattr(stage.algorithm.config, "park_hessian_bytes", None)
+        parked = [limit is not None and 4 * n * n >= limit for n in widths]
+        return max(sum(4 * n * n for n in widths[k + 1:]) + (0 if parked[k] else 4 * widths[k] ** 2)
+                   + 4 * widths[k] ** 2 + 4 * widths[k] * sum(m.out_features for m in groups[k])
+                   for k in range(len(groups)))
     if name == "awq":
         samples = min(stage.algorithm.config.search_samples, cal.num_samples)
         recorded = samples * cal.seq_len * sum(widths) * 4  # inputs of each group, float32, for the search

@@ -227,3 +227,82 @@ def test_take_hessian_equals_hessian_in_the_accumulators_memory(n):
     H = b.take_hessian()
     assert torch.equal(H, a.hessian()) and H.data_ptr() == buffer.data_ptr()
     assert torch.equal(H, H.t())
+
+
+def test_parked_tensor_reads_back_its_bytes_and_leaves_no_file(tmp_path):
+    from quantkit.parking import Parked
+
+    t = torch.randn(37, 53, generator=torch.Generator().manual_seed(7))
+    p = Parked(t, directory=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # an unlinked file: nothing to leave behind
+    assert torch.equal(p.load(), t) and torch.equal(p.rows(5, 11), t[5:11]) and torch.equal(p.rows(30, 99), t[30:])
+    with pytest.raises(ValueError, match="non-square"):
+        p.diagonal()
+    sq = Parked(t[:20, :20])
+    assert torch.equal(sq.diagonal(), t[:20, :20].diagonal()) and sq.nbytes == 20 * 20 * 4
+    with pytest.raises(ValueError, match="2-D"):
+        Parked(torch.zeros(3))
+
+
+@pytest.mark.parametrize("perm", [False, True])
+def test_inverse_hessian_factor_from_a_parked_hessian_is_bit_identical(perm, monkeypatch):
+    from quantkit.parking import Parked
+    from quantkit.quant import gptq
+
+    monkeypatch.setattr(gptq, "COPY_ROWS", 40)  # several row blocks, the last one short
+    _, H = _problem(n=150)
+    H[:, 7] = 0.0
+    H[7, :] = 0.0
+    dead = H.diagonal() == 0
+    order = torch.argsort(H.diagonal(), descending=True) if perm else None
+    ref = inverse_hessian_factor(H, 0.01, order, dead)
+    assert torch.equal(inverse_hessian_factor(Parked(H), 0.01, order, dead), ref)
+
+
+def test_every_solver_gives_the_same_weights_from_a_parked_hessian():
+    from quantkit.parking import Parked
+    from quantkit.quant.gptq import gptq_quantize_ggml
+    from quantkit.schemes import resolve_scheme
+
+    W, H = _problem(out=32, n=256)
+    for scheme in (SCHEMES[0], SCHEMES[2]):  # in order, act-order
+        a = gptq_quantize([W[:16], W[16:]], H, scheme, torch.bfloat16, actorder=scheme.actorder == "static").weight
+        b = gptq_quantize([W[:16], W[16:]], Parked(H), scheme, torch.bfloat16,
+                          actorder=scheme.actorder == "static").weight
+        assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
+    scale = expanded_scale(quantize_weight(W, "channel", torch.bfloat16, None))
+    assert torch.equal(gptq_quantize_fp8(W, H, scale)[0].view(torch.uint8),
+                       gptq_quantize_fp8(W, Parked(H), scale)[0].view(torch.uint8))
+    q4k = resolve_scheme("Q4_K", {})
+    assert (gptq_quantize_ggml(W, H, q4k)[0].to_blocks() == gptq_quantize_ggml(W, Parked(H), q4k)[0].to_blocks()).all()
+
+
+def test_parking_the_hessian_halves_the_solve_peak_and_changes_nothing():
+    """A Hessian above `park_hessian_bytes` waits on disk during its group's solve: live heap bytes at the
+    peak drop by about the Hessian's size (measured here: ~1.0x -> ~0.0x of H above the start, which holds H
+    itself), the weights and the report stay the same."""
+    from quantkit.memory import PeakSampler, live_heap_bytes
+
+    if live_heap_bytes() is None:
+        pytest.skip("glibc's mallinfo2 is needed to count live bytes")
+    n = 3072
+    W, H = _problem(out=64, n=n, tokens=4096)
+    hbytes = n * n * 4
+    linears = {"down": torch.nn.Linear(n, 64, bias=False)}
+    linears["down"].weight.data = W
+    scheme = QuantScheme(num_bits=4, group_size=128)
+    peaks, outs = {}, {}
+    for limit in (None, hbytes):
+        algo = GPTQ(GPTQConfig(park_hessian_bytes=limit), scheme)
+        acc = HessianAccumulator(n)
+        acc._upper, acc.tokens = H * 0.5, 1  # take_hessian gives back H itself (x 2 / tokens), in this buffer
+        start = live_heap_bytes()  # the Hessian included
+        with PeakSampler(0.001) as peak:
+            result, report = algo._solve_group(linears, ["down"], acc, torch.bfloat16, None)
+        peaks[limit] = (peak.peak - start) / hbytes
+        outs[limit] = (result["down"], report["down"])
+        del acc
+    print("peak live bytes above the start, in Hessians:", peaks)
+    (qa, ra), (qb, rb) = outs[None], outs[hbytes]
+    assert torch.equal(qa.q, qb.q) and torch.equal(qa.scale, qb.scale) and ra == rb
+    assert peaks[hbytes] < peaks[None] - 0.7, peaks

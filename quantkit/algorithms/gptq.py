@@ -24,6 +24,7 @@ from quantkit.quant.fp8 import Fp8Weight, expanded_scale
 from quantkit.quant import ggml
 from quantkit.quant.gptq import HessianError, gptq_quantize, gptq_quantize_fp8, gptq_quantize_ggml, hessian_error
 from quantkit.memory import release_free_memory
+from quantkit.parking import Parked
 from quantkit.quant.hessian import HessianAccumulator
 from quantkit.quant.intq import QuantizedWeight, rtn
 from quantkit.registry import ALGORITHMS
@@ -40,6 +41,9 @@ class GPTQConfig(AlgorithmConfig):
     # error) among ggml-shaped candidates instead of ggml's plain rule
     scale_search: bool = False
     mse_samples: int = Field(1 << 16, ge=1024)  # FP8 static activations, observer mse: input values kept
+    # a Hessian of at least this many bytes waits on disk (an unlinked temporary file) while its group is solved,
+    # so that the solver's copy is the only n x n matrix in memory (an 8B down_proj's is 822 MB); null: never
+    park_hessian_bytes: Optional[int] = Field(256 << 20, ge=0)
     seed: int = 0
 
 
@@ -86,18 +90,29 @@ class GPTQ(Algorithm):
             assert acc is not None, f"no calibration input reached {group[0]}"
             # one static input scale per group: its linears read the same input
             input_scale = self._inputs.scale(group[0], scale_dtype) if self.scheme.has_static_input else None
-            result, report = self._solve_group(linears, group, acc.take_hessian(), scale_dtype, input_scale)
+            result, report = self._solve_group(linears, group, acc, scale_dtype, input_scale)
             out.update(result)
             self.report.update(report)
         self._H = {}
         return out
 
-    def _solve_group(self, linears: dict[str, nn.Linear], group: list[str], H: torch.Tensor,
+    def _solve_group(self, linears: dict[str, nn.Linear], group: list[str], acc: HessianAccumulator,
                      scale_dtype: torch.dtype, input_scale: Optional[torch.Tensor]) -> tuple[dict, dict]:
         """One group's weights and report rows. Rows are independent given H: linears sharing an input are
-        solved as one stacked matrix."""
+        solved as one stacked matrix. A large H waits on disk during the solve (`park_hessian_bytes`)."""
         nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
-        qw, solve = self._solve(", ".join(group), [linears[n].weight.data for n in group], H, scale_dtype, nearest)
+        H = acc.take_hessian()  # the accumulator gives it up: this frame holds the only reference
+        limit = self.config.park_hessian_bytes
+        if limit is not None and H.numel() * H.element_size() >= limit:
+            parked = Parked(H)
+            del H  # its memory is free while the solver's copy is made and factorized
+            qw, solve = self._solve(", ".join(group), [linears[n].weight.data for n in group], parked, scale_dtype,
+                                    nearest)
+            H = parked.load()  # back for the report, once the solver's copy and working weights are gone
+            parked.close()
+            log.debug("GPTQ %s: its %.2f GB Hessian waited on disk during the solve", group[0], parked.nbytes / 1e9)
+        else:
+            qw, solve = self._solve(", ".join(group), [linears[n].weight.data for n in group], H, scale_dtype, nearest)
         result, report, start = {}, {}, 0
         for name in group:
             rows = slice(start, start + linears[name].out_features)
@@ -132,7 +147,7 @@ class GPTQ(Algorithm):
             if owners[gi] != world.rank:
                 continue  # another rank solves it
             release_free_memory()
-            result, report = self._solve_group(linears, group, acc.take_hessian(), scale_dtype, scales[group[0]])
+            result, report = self._solve_group(linears, group, acc, scale_dtype, scales[group[0]])
             mine[gi] = ({n: _to_cpu(q) for n, q in result.items()}, report)
         out = {}
         device = next(iter(linears.values())).weight.device

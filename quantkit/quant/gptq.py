@@ -57,10 +57,13 @@ def inverse_hessian_factor(H: torch.Tensor, dampening_frac: float, perm: Optiona
     perm: factor the permuted Hessian H[perm][:, perm] instead; dead: columns never reached by an input,
     whose (zero) diagonal entries count as 1. H itself is left as it is. Memory: one reversed (and
     permuted) copy of H, factorized, inverted and reversed in place: n^2 floats beyond H, plus
-    [n, 256] panels (there were about 7 n^2).
+    [n, 256] panels (there were about 7 n^2). H may also be a row source (`shape`, `rows(start, stop)`,
+    `diagonal()`, as `quantkit.parking.Parked`): then the copy is the only n^2 floats in memory.
     """
     n = H.shape[0]
-    if perm is None:
+    if not isinstance(H, torch.Tensor):  # a row source (`quantkit.parking.Parked`): the copy filled by row blocks
+        Hf = _reversed_copy(H, perm)
+    elif perm is None:
         Hf = H.detach().float().flip(0, 1)  # J H J: the one copy of H made here
     else:
         rp = perm.flip(0)
@@ -83,6 +86,23 @@ def inverse_hessian_factor(H: torch.Tensor, dampening_frac: float, perm: Optiona
 
 
 INVERT_BLOCK = 256  # columns per block of the in-place triangular inverse
+COPY_ROWS = 512  # rows per block read from a row source into the solver's copy
+
+
+def _reversed_copy(H, perm: Optional[torch.Tensor]) -> torch.Tensor:
+    """J P H P^T J (perm None: J H J) as one new float32 matrix, from a row source read a block of rows at a
+    time: row i of H lands at the position of i in the reversed order, its columns in that order."""
+    n = H.shape[0]
+    block = H.rows(0, min(COPY_ROWS, n)).float()
+    rp = (torch.arange(n, device=block.device) if perm is None else perm.to(block.device)).flip(0)
+    pos = torch.empty_like(rp)
+    pos[rp] = torch.arange(n, device=rp.device)  # where each row of H goes
+    Hf = torch.empty(n, n, dtype=torch.float32, device=block.device)
+    for r in range(0, n, COPY_ROWS):
+        if r:
+            block = H.rows(r, min(r + COPY_ROWS, n)).float()
+        Hf.index_copy_(0, pos[r : r + block.shape[0]], block[:, rp])
+    return Hf
 
 
 def _invert_lower_in_place(A: torch.Tensor, block: int = INVERT_BLOCK) -> None:
@@ -340,7 +360,7 @@ def _prepare(W: torch.Tensor, H: torch.Tensor, overwrite: bool = False) -> tuple
     W = W.detach().float()  # [out, in]
     if W.data_ptr() == given.data_ptr() and not overwrite:
         W = W.clone()
-    diag = torch.diag(H).float()  # a copy
+    diag = H.diagonal().to(torch.float32, copy=True)  # (H: a tensor or a row source)
     dead = diag == 0
     diag[dead] = 1.0
     W[:, dead] = 0.0
@@ -352,7 +372,7 @@ def _stack_permuted(weights: list[torch.Tensor], H: torch.Tensor, scheme: QuantS
     """`_prepare` + `_order` + the static scales for weights stacked on the output dim, with the float32
     working copy written straight in visiting order (row blocks of it, one weight at a time)."""
     n = weights[0].shape[1]
-    diag = torch.diag(H).float()
+    diag = H.diagonal().to(torch.float32, copy=True)
     dead = diag == 0
     diag[dead] = 1.0
     perm = _order(diag, actorder)
