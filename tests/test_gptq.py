@@ -306,3 +306,21 @@ def test_parking_the_hessian_halves_the_solve_peak_and_changes_nothing():
     (qa, ra), (qb, rb) = outs[None], outs[hbytes]
     assert torch.equal(qa.q, qb.q) and torch.equal(qa.scale, qb.scale) and ra == rb
     assert peaks[hbytes] < peaks[None] - 0.7, peaks
+
+
+def test_a_hessian_that_cannot_be_parked_is_a_clear_error(monkeypatch):
+    from quantkit.algorithms import gptq as gptq_algo
+    from quantkit.errors import QuantizationError
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gptq_algo, "Parked", full_disk)
+    W, H = _problem(out=8, n=64)
+    linear = torch.nn.Linear(64, 8, bias=False)
+    linear.weight.data = W
+    acc = HessianAccumulator(64)
+    acc._upper, acc.tokens = H * 0.5, 1
+    algo = GPTQ(GPTQConfig(park_hessian_bytes=0), QuantScheme(num_bits=4, group_size=32))
+    with pytest.raises(QuantizationError, match=r"GPTQ down: cannot park .*No space left.*TMPDIR.*park_hessian_bytes=null"):
+        algo._solve_group({"down": linear}, ["down"], acc, torch.bfloat16, None)

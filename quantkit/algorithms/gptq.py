@@ -10,6 +10,7 @@ layout is the `fp8` stage's; a static activation scale comes from the same calib
 from __future__ import annotations
 
 import logging
+import tempfile
 from typing import Optional
 
 import torch
@@ -17,7 +18,7 @@ from pydantic import Field
 from torch import nn
 
 from quantkit import distributed
-from quantkit.errors import RecipeError
+from quantkit.errors import QuantizationError, RecipeError
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.algorithms.fp8 import StaticInputScales, nearest_fp8
 from quantkit.quant.fp8 import Fp8Weight, expanded_scale
@@ -104,7 +105,13 @@ class GPTQ(Algorithm):
         H = acc.take_hessian()  # the accumulator gives it up: this frame holds the only reference
         limit = self.config.park_hessian_bytes
         if limit is not None and H.numel() * H.element_size() >= limit:
-            parked = Parked(H)
+            try:
+                parked = Parked(H)
+            except OSError as exc:
+                raise QuantizationError(
+                    f"GPTQ {group[0]}: cannot park its {H.numel() * H.element_size() / 1e9:.2f} GB Hessian on disk "
+                    f"({exc}); free space in {tempfile.gettempdir()}, point TMPDIR elsewhere, or keep Hessians in "
+                    "memory with --set stages.N.args.park_hessian_bytes=null") from exc
             del H  # its memory is free while the solver's copy is made and factorized
             qw, solve = self._solve(", ".join(group), [linears[n].weight.data for n in group], parked, scale_dtype,
                                     nearest)
