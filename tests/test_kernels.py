@@ -203,7 +203,7 @@ def test_fp8_per_token_quantization_is_bit_exact(dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("m", [1, 7, 16, 64, 300])
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 100])  # 100: several M tiles (32 under the interpreter) and a ragged one
 @pytest.mark.parametrize("per_token,per_channel", [(True, True), (False, False), (True, False)])
 @pytest.mark.parametrize("fp8_dot", [True, False])
 def test_fp8_gemm_matches_reference(m, per_token, per_channel, fp8_dot):

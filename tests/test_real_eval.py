@@ -7,19 +7,13 @@ from click.testing import CliRunner
 
 from quantkit.cli import main
 from quantkit.eval.compare import evaluate
-from quantkit.models.demo import fetch
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smollm2_w4(tmp_path_factory):
-    fetch("smollm2-135m")
-    out = tmp_path_factory.mktemp("real-eval") / "rtn"
-    quantize("smollm2-135m", load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=64"]), out, progress=False)
-    return out
+def smollm2_w4(smollm2_rtn64):
+    return smollm2_rtn64  # rtn-w4a16 g64, made once per session (conftest)
 
 
 def test_smollm2_kld_and_agreement(smollm2_w4):

