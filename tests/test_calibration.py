@@ -68,3 +68,26 @@ def test_hub_dataset_offline_is_clear():
 def test_tokenize_adds_no_special_tokens(tokenizer):
     ids = tokenize(tokenizer, "Hello there")
     assert tokenizer.bos_token_id not in ids.tolist() and ids.dtype == torch.long
+
+
+def test_tokenize_keeps_ids_per_text_and_tokenizer_state(tokenizer):
+    """The per-process cache of tokenized texts gives the ids a fresh encoding gives, is keyed by the text
+    and the tokenizer's whole state (an added token changes the ids, and so the key), and hands out copies."""
+    import copy
+
+    from quantkit.calibration import data
+
+    data._tokenized.clear()
+    text = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
+    fresh = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    first = data.tokenize(tokenizer, text)
+    assert torch.equal(first, fresh) and len(data._tokenized) == 1
+    first[0] = -1  # a caller changing its ids changes nothing kept
+    assert torch.equal(data.tokenize(tokenizer, text), fresh) and len(data._tokenized) == 1
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["universally"])
+    got = data.tokenize(other, text)
+    assert len(data._tokenized) == 2 and not torch.equal(got, fresh)
+    assert torch.equal(got, torch.tensor(other(text, add_special_tokens=False)["input_ids"]))
+    assert torch.equal(data.tokenize(tokenizer, text + " "), torch.tensor(tokenizer(text + " ", add_special_tokens=False)["input_ids"]))
+    assert len(data._tokenized) == 3
