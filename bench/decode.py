@@ -7,7 +7,7 @@ decodes n tokens); runs alternate between the setups and the median TTFT and dec
 each is printed with the ratio to the first row's, and as a fraction of its memory-bandwidth
 roofline: bandwidth / weight bytes read per token (every linear's stored weight and the head, in the
 bytes the kernels read), with the read bandwidth measured here (a sum over a 1 GB buffer). --hf adds transformers' `generate` on the
-baseline model (same prompt, greedy, KV cache) as a row; --draft adds speculative decoding of
+baseline model (same prompt, greedy, KV cache; a copy loaded apart, its weights as loaded) as a row; --draft adds speculative decoding of
 the baseline with that draft (acceptance rate printed).
 """
 
@@ -50,8 +50,9 @@ def main() -> None:
     models = {name: load(name) for name in args.models}
     setups = {f"quantkit {name}": (lambda m=m: _ours(generate, m, tok, ids, params)) for name, m in models.items()}
     base = models[args.models[0]]
-    if args.hf:
-        setups[f"transformers generate {args.models[0]}"] = lambda: _hf(base, ids, args.max_new_tokens)
+    if args.hf:  # its own copy, as loaded: quantkit's decode re-lays out the weights of the models it runs
+        hf_model = load(args.models[0])
+        setups[f"transformers generate {args.models[0]}"] = lambda: _hf(hf_model, ids, args.max_new_tokens)
     if args.draft:
         draft = load(args.draft)
         setups[f"quantkit {args.models[0]} + draft {args.draft}"] = \
@@ -101,7 +102,8 @@ def _read_bandwidth() -> float:
 
 def _bytes_per_token(model) -> int:
     """Bytes a decode step reads from weights: every linear's stored weight tensors (packed codes and
-    scales for quantized ones) and the LM head; embeddings read one row (ignored)."""
+    scales for quantized ones), the LM head among them (tied or not); embeddings read one row (ignored).
+    (Until 2026-12-03 a tied head was counted twice: SmolLM2's 538 MB read as 651.)"""
     from torch import nn
 
     emb = model.get_input_embeddings()
@@ -111,10 +113,7 @@ def _bytes_per_token(model) -> int:
             continue
         if isinstance(module, nn.Linear) or hasattr(module, "weight_packed") or hasattr(module, "weight_scale"):
             total += sum(t.numel() * t.element_size() for t in module.state_dict().values())
-    head = model.get_output_embeddings()
-    if head is not None and head.weight is emb.weight:  # tied: the head reads the embedding matrix
-        total += head.weight.numel() * head.weight.element_size()
-    return total
+    return total  # the head is a linear (tied or not): counted once above
 
 
 def _ours(generate, model, tok, ids, params):

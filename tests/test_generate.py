@@ -171,6 +171,40 @@ def test_lean_decode_step_matches_transformers_forward(tiny_models, tokenizer, a
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+def test_float32_decode_weights_go_column_major_with_the_same_values(tiny_models, tokenizer, tmp_path):
+    """float32 on the CPU: the fused q/k/v and gate/up weights, o, down and the head are re-stored
+    column-major (a transposed view of one [in, out] tensor) with the same values; the logits before
+    and after the re-layout are equal, tied embeddings stay tied, and the model still saves the same
+    tensors. bf16 weights keep their row-major layout."""
+    from safetensors.torch import load_file
+
+    model = quantkit.load(tiny_models["llama"], dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = sample_ids(tokenizer, 1, 14)
+    ref = model(ids).logits[:, -6:]  # before any re-layout
+    ours = _lean_logits(model, ids, 6)
+    assert (ours - ref).abs().max() < 1e-4 and torch.equal(model(ids).logits[:, -6:], ref)
+    layer = model.model.layers[0]
+    for lin in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj, layer.self_attn.o_proj,
+                layer.mlp.down_proj, model.get_output_embeddings()):
+        assert lin.weight.stride(0) == 1, lin
+    qkv = model.quantkit_runtime.fused.qkv[0][0]
+    assert qkv.t().is_contiguous() and layer.self_attn.k_proj.weight.data_ptr() == \
+        qkv.data_ptr() + layer.self_attn.q_proj.out_features * qkv.element_size()  # a view, not a copy
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    if model.config.tie_word_embeddings:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    model.save_pretrained(tmp_path / "saved")  # state_dict() restores the row-major layout first
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert set(saved) <= set(before) and all(torch.equal(saved[k], before[k]) for k in saved)
+    assert layer.self_attn.o_proj.weight.is_contiguous() and model.quantkit_runtime.fused is None
+    assert torch.equal(_lean_logits(model, ids, 6), ours)  # and the next decode re-lays it out
+    assert layer.self_attn.o_proj.weight.stride(0) == 1
+    model16 = quantkit.load(tiny_models["llama"], dtype=torch.bfloat16)
+    _lean_logits(model16, ids, 2)
+    assert model16.model.layers[0].self_attn.o_proj.weight.is_contiguous()
+
+
 def test_lean_decode_step_runs_packed_int4_modules(tiny_llama, tokenizer, draft_model):
     """A W4A16 checkpoint: gate/up (128 outputs each) fuse into one CPU int4 weight; q/k/v cannot
     (k/v have 32 outputs, the op packs rows in blocks of 64) and stay separate modules. Same logits."""

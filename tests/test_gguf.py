@@ -395,10 +395,13 @@ def _llama_perplexity(path: Path, text: Path, log: Path) -> float:
     # llama.cpp's logger is a thread that is never joined (its common/log.cpp: "logs may be lost if not
     # flushed before the program exits"): a run that succeeds can lose its last lines, more often on a
     # busy machine (3 such runs in a row were seen in a full suite). Such a run is repeated (at most 6
-    # runs); a failing one is not.
+    # runs); a failing one is not. Eight chunks, not two: each chunk's running perplexity is logged while
+    # the next is computed, so the early ones are written even when the last lines are lost (a run of
+    # two chunks lost everything after "calculating perplexity" six times in a row once, on a first
+    # run after a long benchmark).
     for _ in range(6):
         with open(log, "w") as f:
-            proc = subprocess.run([str(tool), "-m", str(path), "-f", str(text), "-c", "64", "--chunks", "2", "-t",
+            proc = subprocess.run([str(tool), "-m", str(path), "-f", str(text), "-c", "64", "--chunks", "8", "-t",
                                    "2", "-b", "64"], stdout=f, stderr=subprocess.STDOUT, timeout=300)
         out = log.read_text(errors="replace")
         assert proc.returncode == 0, out[-3000:]

@@ -3,7 +3,8 @@
 `quantkit.load` gives every model a `RuntimeState` (as `model.quantkit_runtime`): the kernel its
 quantized linears were asked to use when it was loaded (QUANTKIT_KERNEL, read once), and the
 lean decode step's fused projections, made at the first generate and reused by every later one
-while the model's device and dtype stay the same. A model that did not come from the loader
+while the model's device and dtype stay the same, and the hook that gives `state_dict()` (saving)
+the usual row-major weights back where the step re-stored them column-major. A model that did not come from the loader
 (one quantized in memory, a transformers model) gets a state at its first generate.
 """
 
@@ -31,6 +32,7 @@ class FusedProjections:
 class RuntimeState:
     kernel: Optional[str] = None  # the kernel request given to the quantized linears at load (None: automatic)
     fused: Optional[FusedProjections] = None
+    layout_hook: Optional[object] = None  # handle of the state_dict pre-hook that restores row-major weights
 
     def fused_for(self, device: torch.device, dtype: torch.dtype,
                   build: Callable[[], tuple[list, list]]) -> FusedProjections:
