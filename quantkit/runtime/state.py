@@ -4,8 +4,8 @@
 quantized linears were asked to use when it was loaded (QUANTKIT_KERNEL, read once), and the
 lean decode step's fused projections, made at the first generate and reused by every later one
 while the model's device and dtype stay the same, and the hook that gives `state_dict()` (saving)
-the usual row-major weights back where the step re-stored them column-major. A model that did not come from the loader
-(one quantized in memory, a transformers model) gets a state at its first generate.
+the usual row-major weights back where the step re-stored them column-major. A model that did not
+come from the loader (one quantized in memory, a transformers model) gets a state at its first generate.
 """
 
 from __future__ import annotations
