@@ -52,15 +52,15 @@ def column_major(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.device.type == "cpu"
 
 
-def _to_column_major(module: nn.Module) -> bool:
-    """Re-store a plain linear's weight column-major (same values, same shape; see `column_major`).
-    Whether it is column-major now."""
-    if type(module) is not nn.Linear or not column_major(module.weight) or module.weight.requires_grad:
-        return False
-    w = module.weight
-    if not _is_column_major(w):
+def _to_column_major(module: nn.Module) -> None:
+    """Re-store a plain linear's weight column-major (same values, same shape; see `column_major`)."""
+    w = getattr(module, "weight", None)
+    if type(module) is nn.Linear and column_major(w) and not w.requires_grad and not _is_column_major(w):
         w.data = w.data.t().contiguous().t()
-    return True
+
+
+def _column_major_linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if type(m) is nn.Linear and _is_column_major(m.weight)]
 
 
 def _is_column_major(w: torch.Tensor) -> bool:
@@ -71,14 +71,14 @@ def restore_row_major(model: nn.Module) -> None:
     """Give every linear re-stored column-major by the decode step its own row-major (contiguous)
     weight again and drop the fused projections (the next generate makes them again). Runs before
     `model.state_dict()`, so saving sees the usual layout (transformers' save_pretrained cannot take
-    a transposed view that shares storage). One fused tensor at a time is copied."""
-    state = runtime_state(model)
-    if state.fused is None:
+    a transposed view that shares storage). Weights are copied one at a time; a fused tensor is freed
+    once its last view has its own copy."""
+    linears = _column_major_linears(model)
+    if not linears:
         return
-    state.fused = None  # the fused tensors live on only through the modules' views, until each is copied
-    for module in model.modules():
-        if type(module) is nn.Linear and _is_column_major(module.weight):
-            module.weight.data = module.weight.data.contiguous()
+    runtime_state(model).fused = None  # the fused tensors live on only through the modules' views
+    for module in linears:
+        module.weight.data = module.weight.data.contiguous()
 
 
 def _fuse(linears: list[nn.Module], dtype: torch.dtype):
@@ -104,8 +104,7 @@ def _fuse_plain(linears: list[nn.Linear]):
     if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or any(w.requires_grad for w in ws):
         return None
     # one [sum out, in] weight, or its column-major form: one [in, sum out] tensor, transposed
-    weight = torch.cat([w.data.t() for w in ws], dim=1).t() if column_major(ws[0]) \
-        else torch.cat([w.data.contiguous() for w in ws])
+    weight = torch.cat([w.data.t() for w in ws], dim=1).t() if column_major(ws[0]) else torch.cat([w.data for w in ws])
     bias = _cat_bias(linears)
     sizes, start = [], 0
     for m in linears:
@@ -168,12 +167,11 @@ def _prepare(model: nn.Module, layers: list[nn.Module], dtype: torch.dtype) -> t
     faster layout (`column_major`). Returns (qkv, gate_up) per layer."""
     fused = ([_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], dtype) for l in layers],
              [_fuse([l.mlp.gate_proj, l.mlp.up_proj], dtype) for l in layers])
-    relaid = [_to_column_major(m) for l in layers for m in (l.self_attn.o_proj, l.mlp.down_proj)]
-    relaid.append(_to_column_major(model.get_output_embeddings()))
+    for module in [m for l in layers for m in (l.self_attn.o_proj, l.mlp.down_proj)] + [model.get_output_embeddings()]:
+        _to_column_major(module)
     state = runtime_state(model)
-    relaid += [f is not None and isinstance(f[0], torch.Tensor) and _is_column_major(f[0]) for f in fused[0] + fused[1]]
-    if any(relaid) and state.layout_hook is None:
-        state.layout_hook = model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: restore_row_major(module))
+    if state.layout_hook is None and _column_major_linears(model):
+        state.layout_hook = model.register_state_dict_pre_hook(lambda module, _prefix, _keep: restore_row_major(module))
     return fused
 
 
