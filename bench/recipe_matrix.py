@@ -11,7 +11,8 @@ or a dtype name (`float32`, `bfloat16`: QUANTKIT_COMPUTE_DTYPE forced). The comp
 chose, and why, is read back from its quantkit.json. The recipes run as shipped except for a smaller calibration set
 (`--samples` x `--seq-len`, the same for every run) so that the whole matrix fits one sitting. Then one
 `quantkit eval compare` pass per (model, policy) scores all its checkpoints against the original in
-float32 (the same scoring for both policies, so the two columns compare the checkpoints, not the scorer).
+float32 (the same scoring for both policies, so the two columns compare the checkpoints, not the scorer);
+checkpoints with FP8 KV-cache scales are scored in a second pass through their FP8 cache.
 Prints the CPU line, one table per model and the largest perplexity gap between the policies; exits 1
 if any run failed.
 """
@@ -81,13 +82,29 @@ def quantize(model: str, recipe: str, policy: str, out: Path, samples: int, seq_
     return True, took, f"{dtype} ({meta['compute']['reason']})"
 
 
-def score(original: str, ckpts: list[Path], windows: int, seq_len: int, json_out: Path) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "quantkit", "eval", "compare", *map(str, ckpts), "--original", original,
-           "--dataset", "emma", "--max-windows", str(windows), "--seq-len", str(seq_len), "--dtype", "float32",
-           "--no-progress", "--json", str(json_out)]
-    subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True, capture_output=True, text=True)
-    data = json.loads(json_out.read_text())
-    return {row["model"]: row for row in data["results"] if row.get("dataset", "emma") == "emma"}
+def has_kv_scales(ckpt: Path) -> bool:
+    """Whether a checkpoint carries calibrated FP8 KV-cache scales (compressed-tensors' kv_cache_scheme)."""
+    config = json.loads((ckpt / "config.json").read_text())
+    return bool((config.get("quantization_config") or {}).get("kv_cache_scheme"))
+
+
+def score(original: str, ckpts: list[Path], windows: int, seq_len: int, json_out: Path) -> dict[str, dict]:
+    """One `quantkit eval compare` pass over the checkpoints without KV-cache scales, one with
+    `--kv-cache-dtype fp8` over those with them (they attend through their FP8 cache, as served;
+    the original stays the 16-bit reference in both)."""
+    rows = {}
+    for kv, group in ((False, [c for c in ckpts if not has_kv_scales(c)]), (True, [c for c in ckpts if has_kv_scales(c)])):
+        if not group:
+            continue
+        out = json_out.with_name(json_out.stem + ("-fp8kv" if kv else "") + json_out.suffix)
+        cmd = [sys.executable, "-m", "quantkit", "eval", "compare", *map(str, group), "--original", original,
+               "--dataset", "emma", "--max-windows", str(windows), "--seq-len", str(seq_len), "--dtype", "float32",
+               "--no-progress", "--json", str(out)] + (["--kv-cache-dtype", "fp8"] if kv else [])
+        subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True, capture_output=True, text=True)
+        data = json.loads(out.read_text())
+        rows.update({row["model"]: {**row, "fp8_kv": kv and row["role"] == "checkpoint"}
+                     for row in data["results"] if row.get("dataset", "emma") == "emma"})
+    return rows
 
 
 def main() -> None:
@@ -161,7 +178,9 @@ def main() -> None:
                 cells += [f"{took:.0f}", f"{row['ppl']:.3f}", f"{row.get('kld_mean', float('nan')):.4f}"]
             if len(ppls) == 2 and abs(ppls[0] / ppls[1] - 1) > gap[0]:
                 gap = (abs(ppls[0] / ppls[1] - 1), recipe)
-            print(f"| {recipe} | " + " | ".join(cells) + " |")
+            kv = any(r.get("fp8_kv") for r in (scores.get(p, {}).get(str(args.work / model / p / recipe)) or {}
+                                               for p in policies))
+            print(f"| {recipe}{' (FP8 KV cache)' if kv else ''} | " + " | ".join(cells) + " |")
         if gap[1]:
             print(f"largest perplexity gap between the setups: {100 * gap[0]:.2f}% ({gap[1]})")
     sys.exit(1 if failed else 0)

@@ -150,6 +150,27 @@ def test_bos_windows_for_gemma(tiny_models, tmp_path, texts):
     assert res.rows[1]["kld_mean"] == 0.0
 
 
+def test_fp8_kv_cache_applies_to_the_checkpoints_not_the_reference(tiny_llama, tmp_path, texts, tokenizer):
+    """--kv-cache-dtype fp8: the original stays the 16-bit reference (its row as without the flag), the
+    checkpoint attends through its FP8 cache (its perplexity that of `eval ppl --kv-cache-dtype fp8`),
+    so a KV-cache-only checkpoint, whose weights equal the original's, shows its divergence."""
+    from quantkit.calibration.data import load_text, tokenize
+
+    out = tmp_path / "kv"
+    quantize(str(tiny_llama), load_recipe("fp8-kv", ["calibration.num_samples=6", "calibration.seq_len=32"]), out,
+             progress=False)
+    kw = dict(seq_len=32, max_windows=4, dtype="float32")
+    plain = evaluate(str(tiny_llama), [str(out)], [texts[0]], **kw)
+    fp8 = evaluate(str(tiny_llama), [str(out)], [texts[0]], kv_cache_dtype="fp8", **kw)
+    assert plain.rows[1]["kld_mean"] == 0.0  # same weights, 16-bit cache: the same model
+    assert fp8.rows[0]["ppl"] == plain.rows[0]["ppl"] and fp8.rows[0]["role"] == "original"
+    assert fp8.rows[1]["kld_mean"] > 0 and fp8.rows[1]["ppl"] != plain.rows[1]["ppl"]
+    ids = tokenize(tokenizer, load_text(texts[0]))
+    ref = perplexity(quantkit.load(out, dtype=torch.float32), ids, 32, 4, kv_cache_dtype="fp8")
+    assert fp8.rows[1]["ppl"] == pytest.approx(ref.ppl, rel=1e-6)
+    assert fp8.protocol["kv_cache_dtype"].startswith("fp8")
+
+
 def test_cli_default_subcommand_json_and_recorded_original(tiny_llama, rtn_llama, tmp_path, texts):
     out = tmp_path / "e.json"
     res = run("eval", rtn_llama, "--dataset", ",".join(texts), "--seq-len", 32, "--max-windows", 4, "--json", out,

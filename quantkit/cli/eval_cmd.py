@@ -46,7 +46,8 @@ def command():
 @click.option("--offload", default="none", show_default=True, type=click.Choice(["auto", "none", "disk"]),
               help="disk: each model's decoder layers load from disk as they run (slow; for models that do not fit).")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
-              help="fp8: every model attends through an FP8 KV cache with its calibrated k/v scales.")
+              help="fp8: every checkpoint attends through an FP8 KV cache with its calibrated k/v scales; the "
+                   "original stays the 16-bit reference.")
 @click.option("--encoding", default="utf-8", show_default=True, help="Encoding of .txt dataset files.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write protocol, models and rows as JSON.")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")

@@ -216,10 +216,12 @@ def score(models: list[nn.Module], texts: list[Text], batch_size: int = 1, kv_ca
           progress: Optional[Callable[[int, int], None]] = None) -> tuple[list[list[Tally]], list[float]]:
     """Tallies [text][model] and each model's seconds; models[0] is the reference for KLD and top-1.
 
+    kv_cache_dtype applies to the checkpoints (models[1:]); the reference keeps its own 16-bit cache, so
+    an FP8 KV cache's loss shows as divergence from the unquantized model instead of being in both.
     progress(windows_done, windows_total) is called after each batch."""
     from quantkit.runtime.kv_cache import cache_factory
 
-    caches = [cache_factory(m, kv_cache_dtype) for m in models]
+    caches = [cache_factory(m, kv_cache_dtype if i else None) for i, m in enumerate(models)]
     heads = [m.get_output_embeddings() for m in models]
     softcaps = [getattr(m.config, "final_logit_softcapping", None) for m in models]
     device = models[0].get_input_embeddings().weight.device
@@ -310,7 +312,8 @@ def evaluate(original: str, checkpoints: list[str], datasets: list[str], seq_len
         "seq_len": seq_len, "overlap": 0, "bos": bos is not None, "bos_id": bos,
         "kld": "KL(original || model), nats per token",
         "compute": sorted({m["compute"] for m in model_info}),
-        "kv_cache_dtype": kv_cache_dtype or "auto", "batch_size": batch_size,
+        "kv_cache_dtype": f"{kv_cache_dtype} (the checkpoints; the original as loaded)" if kv_cache_dtype else "auto",
+        "batch_size": batch_size,
         "datasets": [{"name": t.name, "sha256": t.sha256, "text_tokens": t.ids.numel(),
                       "windows": t.windows.shape[0], "scored_tokens": t.windows.shape[0] * (seq_len - 1)}
                      for t in texts],
