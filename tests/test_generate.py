@@ -248,6 +248,38 @@ def test_lean_decode_fuses_int4_qkv_without_copying_weights(tokenizer, tmp_path)
     assert starts == [fused.packed.data_ptr() + i * 64 * row for i in range(3)]
 
 
+def test_lean_int4_linears_run_the_op_directly_in_bf16_with_the_modules_results(tiny_llama, tokenizer, tmp_path,
+                                                                                  monkeypatch):
+    """float32 activations with the CPU int4 op in bf16 (the probe's choice where that is faster): the
+    step calls the op directly (o/down as `_Int4`, no module call) and leaves its bf16 output to the
+    consumers, which promote it to float32 exactly: each call equals the module's output, with and
+    without a bias, and the step's logits equal transformers' forward through the same modules."""
+    from quantkit.kernels import cpu_int4
+    from quantkit.qmodules.int_linear import PackedIntLinear
+
+    monkeypatch.setattr(cpu_int4, "op_dtype", lambda dtype: torch.bfloat16)
+    out = quantize(str(tiny_llama), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]), tmp_path / "q",
+                   progress=False).output
+    model = quantkit.load(out, dtype=torch.float32)
+    for m in model.modules():
+        if isinstance(m, PackedIntLinear):
+            m.fast_activations = True
+    ids = sample_ids(tokenizer, 1, 12)
+    ref = model(ids).logits[:, -4:]
+    ours = _lean_logits(model, ids, 4)
+    assert ours.dtype == torch.float32 and (ours - ref).abs().max() < 1e-4
+    lean = lean_decode.LeanDecoder(model, make_cache(model, None, max_cache_len=4))
+    down = model.model.layers[0].mlp.down_proj
+    lin = lean.plans[0].down
+    assert type(lin) is lean_decode._Int4 and lin.packed.dtype == torch.bfloat16
+    x = torch.randn(3, 1, down.in_features, generator=torch.Generator().manual_seed(0))
+    y = lean_decode._run(lin, x)
+    assert y.dtype == torch.bfloat16 and torch.equal(y.float(), down(x))
+    down.bias = torch.nn.Parameter(torch.randn(down.out_features), requires_grad=False)
+    y = lean_decode._run(lean_decode._resolve(down, x.device, torch.float32), x)
+    assert y.dtype == torch.float32 and torch.equal(y, down(x))
+
+
 def test_batch_of_different_lengths_equals_single_requests(tiny_llama, tokenizer):
     model = quantkit.load(tiny_llama, dtype=torch.float32)
     prompts = [sample_ids(tokenizer, 1, n)[0].tolist() for n in (5, 12, 9)]

@@ -3,9 +3,11 @@
 transformers' forward spends much of a decode step on Python around the matmuls (decorators,
 keyword plumbing, mask construction over the whole cache, module dispatch). This step runs the
 same maths on the same weights with little of that. Each layer's parts are resolved once per
-generate (`_LayerPlan`); plain linears run as GEMVs on their weights, packed int4 / FP8 linears as
-their own modules (each uses its kernel); RMSNorm is one fused op (bit-identical to the module);
-RoPE is applied once over the q and k heads side by side; keys/values are written into the
+generate (`_LayerPlan`); plain linears run as GEMVs on their weights, packed int4 linears on the
+CPU int4 op directly (its bf16 output promoted to float32 by its consumers, exactly), other packed /
+FP8 linears as their own modules; RMSNorm is one fused op (bit-identical to the module); RoPE is
+applied once over the q and k heads side by side (a roll instead of rotate_half's four ops, the
+same values); keys/values are written into the
 preallocated StaticCache the prefill filled, and attention reads only the filled part, with an
 additive padding mask only when a row is padded. Plain q/k/v and gate/up projections of one
 dtype are fused (one GEMV each instead of three and two): their weights are re-stored as views
@@ -153,13 +155,24 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor])
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """The llama-family RMSNorm (weight x normalized input, normalized in float32 and cast back),
-    as one fused op instead of the module's seven: bit-identical to it (tests/test_generate.py)."""
+    as one fused op instead of the module's seven (float32: the weight inside it too): bit-identical
+    to the module (tests/test_generate.py)."""
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps=norm.variance_epsilon)
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == x.roll(half, -1) * _signed_sin(sin)
+    exactly (rotate_half(x) = [-x2, x1], roll = [x2, x1]; (-a) * b == a * (-b)), one op per use
+    instead of four; made once per step."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin (transformers' RoPE) in cos's dtype, x in any float dtype."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def _prepare(model: nn.Module, layers: list[nn.Module], dtype: torch.dtype) -> tuple[list, list]:
@@ -178,34 +191,68 @@ def _prepare(model: nn.Module, layers: list[nn.Module], dtype: torch.dtype) -> t
 @dataclass
 class _LayerPlan:
     """What one decoder layer's step needs, resolved once per decoder (no module lookups per token).
-    A linear is (weight, bias) when it is a plain nn.Linear (run through `_linear`), else its module."""
+    A linear is what `_resolve` gives: (weight, bias) for a plain nn.Linear, an `_Int4`, or a module."""
 
     ln1: nn.Module
     ln2: nn.Module
-    qkv: Optional[tuple]  # fused (weight, bias, sizes) or None
+    qkv: Optional[tuple]  # fused (linear, sizes) or None
     q: object
     k: object
     v: object
     q_norm: Optional[nn.Module]
     k_norm: Optional[nn.Module]
     o: object
-    gate_up: Optional[tuple]
+    gate_up: Optional[tuple]  # fused (linear, sizes) or None
     down: object
     mlp: nn.Module
     act: object
 
 
-def _plain(module: nn.Module):
-    return (module.weight, module.bias) if type(module) is nn.Linear else module
+@dataclass
+class _Int4:
+    """A linear on the CPU int4 op, called directly (no module call, no kernel lookup per token). Its
+    output stays in the op's dtype (bf16 where the probe chose it for float32 activations) unless
+    it has a bias: the consumers (the residual add, RoPE, the cache write, the activation) promote a
+    bf16 output to float32 exactly, so the result equals the module's, which casts it back first."""
+
+    packed: cpu_int4.Int4PackedCPU
+    bias: Optional[torch.Tensor]
+    module: Optional[nn.Module]  # for more rows than the op is used for (None: a fused weight, always the op)
+
+
+def _resolve(module: nn.Module, device: torch.device, dtype: torch.dtype):
+    """What the step calls for a linear: (weight, bias) for a plain nn.Linear (run through `_linear`),
+    an `_Int4` for a packed int4 module on the CPU op, else the module itself."""
+    if type(module) is nn.Linear:
+        return module.weight, module.bias
+    if isinstance(module, PackedIntLinear) and module.prepare(device, dtype) == "cpu":
+        return _Int4(module._prepared[2], module.bias, module)
+    return module
+
+
+def _fused_linear(fused: Optional[tuple]):
+    """A fused projection (weight, bias, sizes) -> (linear as `_resolve` gives it, sizes), or None."""
+    if fused is None:
+        return None
+    weight, bias, sizes = fused
+    return ((weight, bias) if isinstance(weight, torch.Tensor) else _Int4(weight, bias, None)), sizes
 
 
 def _run(lin, x: torch.Tensor) -> torch.Tensor:
-    return _linear(x, lin[0], lin[1]) if type(lin) is tuple else lin(x)
-
-
-def _fused(weight, bias, x: torch.Tensor) -> torch.Tensor:
-    """A fused projection: a 16-bit/fp32 weight tensor, or a packed int4 weight for the CPU op."""
-    return _linear(x, weight, bias) if isinstance(weight, torch.Tensor) else weight.matmul(x, bias)
+    """One linear over x [B, 1, K]. An `_Int4` without a bias answers in the op's dtype (see `_Int4`)."""
+    if type(lin) is tuple:
+        return _linear(x, lin[0], lin[1])
+    if type(lin) is not _Int4:
+        return lin(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    if lin.module is not None and x2.shape[0] > cpu_int4.MAX_TOKENS:
+        return lin.module(x)
+    if x2.dtype != lin.packed.dtype:
+        x2 = x2.to(lin.packed.dtype)
+    y = lin.packed.mm(x2 if x2.is_contiguous() else x2.contiguous())
+    if lin.bias is not None:
+        y = y.to(x.dtype) + lin.bias.to(x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class LeanDecoder:
@@ -220,22 +267,25 @@ class LeanDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = self.head_dim ** -0.5
         self.fp8_scales = fp8_scales
-        self.head = _plain(model.get_output_embeddings())
         # fused once per model (and compute dtype / device), kept in its runtime state for every generate
         embed = model.get_input_embeddings().weight
         fused = runtime_state(model).fused_for(embed.device, embed.dtype, lambda: _prepare(model, layers, embed.dtype))
+        dev, dt = embed.device, embed.dtype
+        self.head = _resolve(model.get_output_embeddings(), dev, dt)
         self.plans = []
         for layer, qkv, gate_up in zip(layers, fused.qkv, fused.gate_up):
             attn, mlp = layer.self_attn, layer.mlp
             self.plans.append(_LayerPlan(
-                layer.input_layernorm, layer.post_attention_layernorm, qkv,
-                _plain(attn.q_proj), _plain(attn.k_proj), _plain(attn.v_proj),
-                getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), _plain(attn.o_proj),
-                gate_up, _plain(mlp.down_proj), mlp, F.silu if cfg.hidden_act == "silu" else mlp.act_fn))
+                layer.input_layernorm, layer.post_attention_layernorm, _fused_linear(qkv),
+                *(_resolve(m, dev, dt) for m in (attn.q_proj, attn.k_proj, attn.v_proj)),
+                getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), _resolve(attn.o_proj, dev, dt),
+                _fused_linear(gate_up), _resolve(mlp.down_proj, dev, dt), mlp,
+                F.silu if cfg.hidden_act == "silu" else mlp.act_fn))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head over one position's final hidden state [B, H] (already normed)."""
-        return _run(self.head, hidden)
+        """The head over one position's final hidden state [B, H] (already normed), in its dtype."""
+        y = _run(self.head, hidden)
+        return y if y.dtype == hidden.dtype else y.to(hidden.dtype)
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, slot: int, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -243,7 +293,7 @@ class LeanDecoder:
         Returns the logits [B, vocab]."""
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, positions)  # [B, 1, head_dim]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
         b, d, heads = ids.shape[0], self.head_dim, self.heads
         # no padding (e.g. one prompt): no mask at all; else one additive mask for every layer
         attend = None if bool(mask.all()) else \
@@ -251,28 +301,28 @@ class LeanDecoder:
         gqa = heads != self.kv_heads
         for i, p in enumerate(self.plans):
             x = _rms_norm(h, p.ln1)
+            # an int4 output may come in bf16 (see `_Int4`): RoPE and the cache write promote it to
+            # h's dtype exactly; the per-head norms and FP8 fake quantization get it cast first
             if p.qkv is not None:
-                weight, bias, sizes = p.qkv
-                y = _fused(weight, bias, x)
+                lin, sizes = p.qkv
+                y = _run(lin, x)
                 if p.q_norm is None:  # RoPE once over the q and k heads side by side
                     qk = y[..., : sizes[0] + sizes[1]].view(b, 1, -1, d).transpose(1, 2)
-                    q, k = (qk * cos + _rotate_half(qk) * sin).split([heads, sizes[1] // d], dim=1)
+                    q, k = _rope(qk, cos, sin).split([heads, sizes[1] // d], dim=1)
                     v = y[..., sizes[0] + sizes[1]:].view(b, 1, -1, d).transpose(1, 2)
                 else:
-                    q, k, v = y.split(sizes, dim=-1)
+                    q, k, v = y.to(h.dtype).split(sizes, dim=-1)
             else:
-                q, k, v = _run(p.q, x), _run(p.k, x), _run(p.v, x)
+                q, k, v = (_run(lin, x).to(h.dtype) for lin in (p.q, p.k, p.v))
             if p.qkv is None or p.q_norm is not None:
                 q, k = q.view(b, 1, -1, d), k.view(b, 1, -1, d)
                 v = v.view(b, 1, -1, d).transpose(1, 2)
                 if p.q_norm is not None:  # qwen3: per-head norms before RoPE
                     q, k = _rms_norm(q, p.q_norm), _rms_norm(k, p.k_norm)
-                q, k = q.transpose(1, 2), k.transpose(1, 2)
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
+                q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
             if self.fp8_scales is not None:
                 ks, vs = self.fp8_scales[i]
-                k, v = fake_quantize(k, head_view(ks)), fake_quantize(v, head_view(vs))
+                k, v = fake_quantize(k, head_view(ks)), fake_quantize(v.to(h.dtype), head_view(vs))
             store = self.cache.layers[i]
             store.keys[:, :, slot] = k[:, :, 0]
             store.values[:, :, slot] = v[:, :, 0]
@@ -281,9 +331,9 @@ class LeanDecoder:
             h = h + _run(p.o, o.transpose(1, 2).reshape(b, 1, -1))
             x = _rms_norm(h, p.ln2)
             if p.gate_up is not None:
-                weight, bias, sizes = p.gate_up
-                gate, up = _fused(weight, bias, x).split(sizes, dim=-1)
-                h = h + _run(p.down, p.act(gate) * up)
+                lin, sizes = p.gate_up
+                gate, up = _run(lin, x).split(sizes, dim=-1)
+                h = h + _run(p.down, p.act(gate.to(h.dtype)) * up)
             else:
                 h = h + p.mlp(x)
         h = _rms_norm(h, self.inner.norm)
