@@ -82,6 +82,9 @@ def quantize(model: str, recipe: str, policy: str, out: Path, samples: int, seq_
     return True, took, f"{dtype} ({meta['compute']['reason']})"
 
 
+PER_PASS = 6
+
+
 def has_kv_scales(ckpt: Path) -> bool:
     """Whether a checkpoint carries calibrated FP8 KV-cache scales (compressed-tensors' kv_cache_scheme)."""
     config = json.loads((ckpt / "config.json").read_text())
@@ -93,14 +96,18 @@ def score(original: str, ckpts: list[Path], windows: int, seq_len: int, json_out
     `--kv-cache-dtype fp8` over those with them (they attend through their FP8 cache, as served;
     the original stays the 16-bit reference in both)."""
     rows = {}
-    for kv, group in ((False, [c for c in ckpts if not has_kv_scales(c)]), (True, [c for c in ckpts if has_kv_scales(c)])):
-        if not group:
-            continue
-        out = json_out.with_name(json_out.stem + ("-fp8kv" if kv else "") + json_out.suffix)
+    plain, kv_ones = [c for c in ckpts if not has_kv_scales(c)], [c for c in ckpts if has_kv_scales(c)]
+    # at most PER_PASS checkpoints a pass: eval compare holds every model it scores in memory at once
+    passes = [(False, plain[i : i + PER_PASS]) for i in range(0, len(plain), PER_PASS)] + \
+        [(True, kv_ones[i : i + PER_PASS]) for i in range(0, len(kv_ones), PER_PASS)]
+    for n, (kv, group) in enumerate(passes):
+        out = json_out.with_name(f"{json_out.stem}-{n}{'-fp8kv' if kv else ''}{json_out.suffix}")
         cmd = [sys.executable, "-m", "quantkit", "eval", "compare", *map(str, group), "--original", original,
                "--dataset", "emma", "--max-windows", str(windows), "--seq-len", str(seq_len), "--dtype", "float32",
                "--no-progress", "--json", str(out)] + (["--kv-cache-dtype", "fp8"] if kv else [])
-        subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"eval compare failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
         data = json.loads(out.read_text())
         rows.update({row["model"]: {**row, "fp8_kv": kv and row["role"] == "checkpoint"}
                      for row in data["results"] if row.get("dataset", "emma") == "emma"})
