@@ -67,21 +67,20 @@ class Int4PackedCPU:
         """The dtype the op runs in: inputs are cast to it, outputs come in it."""
         return self.scale_zeros.dtype
 
-    def mm(self, x2: torch.Tensor) -> torch.Tensor:
-        """The op itself: x2 [M, K] contiguous in `dtype` -> [M, out_features] in `dtype` (no casts, no
-        bias): for a caller that keeps its activations in the op's dtype between calls."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_zeros)
-        return y if y.shape[-1] == self.out_features else y[:, : self.out_features]
-
-    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x @ W^T in x's dtype; the op itself runs in the dtype of the scales (`op_dtype`: bf16 for
-        float32 inputs where that is faster here, a W4A16 layer's 16-bit activations)."""
+    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, cast_back: bool = True) -> torch.Tensor:
+        """x @ W^T (+ bias); the op itself runs in the dtype of the scales (`op_dtype`: bf16 for float32
+        inputs where that is faster here, a W4A16 layer's 16-bit activations). cast_back: the result in
+        x's dtype; without it (and without a bias) it stays in the op's dtype, for a caller whose
+        consumers promote it exactly (the lean decode step)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
-        y = self.mm(x2 if x2.is_contiguous() else x2.contiguous())
-        if y.dtype != x.dtype:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2 if x2.is_contiguous() else x2.contiguous(), self.packed,
+                                                       self.group_size, self.scale_zeros)
+        if y.shape[-1] != self.out_features:
+            y = y[:, : self.out_features]
+        if (cast_back or bias is not None) and y.dtype != x.dtype:
             y = y.to(x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)

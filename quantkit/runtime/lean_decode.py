@@ -244,15 +244,9 @@ def _run(lin, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, lin[0], lin[1])
     if type(lin) is not _Int4:
         return lin(x)
-    x2 = x.reshape(-1, x.shape[-1])
-    if lin.module is not None and x2.shape[0] > cpu_int4.MAX_TOKENS:
+    if lin.module is not None and x.numel() > cpu_int4.MAX_TOKENS * x.shape[-1]:
         return lin.module(x)
-    if x2.dtype != lin.packed.dtype:
-        x2 = x2.to(lin.packed.dtype)
-    y = lin.packed.mm(x2 if x2.is_contiguous() else x2.contiguous())
-    if lin.bias is not None:
-        y = y.to(x.dtype) + lin.bias.to(x.dtype)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return lin.packed.matmul(x, lin.bias, cast_back=False)
 
 
 class LeanDecoder:
