@@ -64,7 +64,7 @@ class Int4PackedCPU:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the op runs in: inputs are cast to it, outputs come in it."""
+        """The dtype the op runs in: inputs are cast to it, and its output is in it (`matmul` casts it back)."""
         return self.scale_zeros.dtype
 
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, cast_back: bool = True) -> torch.Tensor:
