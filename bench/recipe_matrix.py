@@ -92,14 +92,15 @@ def has_kv_scales(ckpt: Path) -> bool:
 
 
 def score(original: str, ckpts: list[Path], windows: int, seq_len: int, json_out: Path) -> dict[str, dict]:
-    """One `quantkit eval compare` pass over the checkpoints without KV-cache scales, one with
-    `--kv-cache-dtype fp8` over those with them (they attend through their FP8 cache, as served;
-    the original stays the 16-bit reference in both)."""
+    """`quantkit eval compare` passes of at most PER_PASS checkpoints: those without KV-cache scales, then
+    those with them under `--kv-cache-dtype fp8` (they attend through their FP8 cache, as served; the
+    original stays the 16-bit reference in both)."""
     rows = {}
-    plain, kv_ones = [c for c in ckpts if not has_kv_scales(c)], [c for c in ckpts if has_kv_scales(c)]
+    by_kv: dict[bool, list[Path]] = {False: [], True: []}  # without FP8 KV-cache scales first
+    for c in ckpts:
+        by_kv[has_kv_scales(c)].append(c)
     # at most PER_PASS checkpoints a pass: eval compare holds every model it scores in memory at once
-    passes = [(False, plain[i : i + PER_PASS]) for i in range(0, len(plain), PER_PASS)] + \
-        [(True, kv_ones[i : i + PER_PASS]) for i in range(0, len(kv_ones), PER_PASS)]
+    passes = [(kv, group[i : i + PER_PASS]) for kv, group in by_kv.items() for i in range(0, len(group), PER_PASS)]
     for n, (kv, group) in enumerate(passes):
         out = json_out.with_name(f"{json_out.stem}-{n}{'-fp8kv' if kv else ''}{json_out.suffix}")
         cmd = [sys.executable, "-m", "quantkit", "eval", "compare", *map(str, group), "--original", original,
