@@ -32,6 +32,7 @@ from quantkit.errors import QuantizationError
 from quantkit.export import export_checkpoint
 from quantkit.finite import check_source
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, read_config
+from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.models.resolve import resolve_model
 from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_model
 from quantkit.quantization_config import build_quantization_config
@@ -55,6 +56,9 @@ class QuantizeRecord:
     result: QuantizationResult
     group_size_fallbacks: list[dict] = field(default_factory=list)
     created: str = ""
+    # the checkpoint `quantize` loaded in a compute dtype narrower than it: `save` writes the tensors that
+    # are still only that rounding as stored (an in-memory model handed to `quantize` is written as it is)
+    rounded_from: Optional[Path] = None
 
     @property
     def quantized(self) -> dict:
@@ -152,7 +156,9 @@ def quantize(
         batches = _batches(recipe, dataset, tokenizer, source, adapter.needs_bos)
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     result = quantize_model(net, adapter, stages, batches, storage, progress, device=where.device)
-    record = QuantizeRecord(recipe, source, storage, choice, where, result, fallbacks, created)
+    rounded = not isinstance(model, nn.Module) and not compute.holds_exactly(choice.dtype, storage)
+    record = QuantizeRecord(recipe, source, storage, choice, where, result, fallbacks, created,
+                            rounded_from=source if rounded else None)
     setattr(net, RECORD_ATTR, record)
     return Quantized(net, record)
 
@@ -173,7 +179,9 @@ def save(model: nn.Module, path: Union[str, Path], *, overwrite: bool = False,
         quantization_config=build_quantization_config(model, result.quantized, result.kv_cache_scheme),
         extra_files={"recipe.yaml": record.recipe.to_yaml(), "quantkit.json": json.dumps(metadata, indent=2) + "\n"},
         overwrite=overwrite, protect=[record.source] if record.source is not None else [],
-        max_shard_bytes=max_shard_bytes)
+        max_shard_bytes=max_shard_bytes,
+        stored=None if record.rounded_from is None else LazyCheckpoint(
+            record.rounded_from, adapter_for(model.config.model_type).to_module_name))
 
 
 def float_source(model_spec: Optional[str]) -> tuple[Path, dict, torch.dtype]:

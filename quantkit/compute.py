@@ -171,11 +171,11 @@ def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setti
     dev = str(torch.device(device))
     explicit = parse_dtype(setting or "auto", setting_name)
     if explicit is not None:
-        return ComputeChoice(explicit, dev, f"{setting_name}={_name(explicit)}", "setting")
+        return ComputeChoice(explicit, dev, f"{setting_name}={_name(explicit)}" + _rounding(explicit, storage), "setting")
     env = os.environ.get(ENV, "")
     from_env = parse_dtype(env, ENV)
     if from_env is not None:
-        return ComputeChoice(from_env, dev, f"{ENV}={env.strip()}", "env")
+        return ComputeChoice(from_env, dev, f"{ENV}={env.strip()}" + _rounding(from_env, storage), "env")
     fast, why = fast_16bit(device, features, probe)
     exact = EXACT_FOR.get(storage, (torch.float32,))
     for dtype in fast:
@@ -188,6 +188,19 @@ def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setti
     elif fast:
         why = f"{why}; the checkpoint is {_name(storage)}, which {_name(fast[0])} does not hold exactly"
     return ComputeChoice(torch.float32, dev, why, "auto")
+
+
+def holds_exactly(compute: torch.dtype, storage: torch.dtype) -> bool:
+    """Whether every value of a checkpoint stored in `storage` survives the cast to `compute`."""
+    return compute in EXACT_FOR.get(storage, (torch.float32,))
+
+
+def _rounding(compute: torch.dtype, storage: torch.dtype) -> str:
+    """What a compute dtype asked for costs when it is narrower than the checkpoint (said with the choice)."""
+    if holds_exactly(compute, storage):
+        return ""
+    return (f"; narrower than the checkpoint's {_name(storage)}: calibration sees its weights rounded to "
+            f"{_name(compute)}, and the tensors left unquantized are written as stored")
 
 
 def _name(dtype: torch.dtype) -> str:

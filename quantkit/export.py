@@ -14,12 +14,16 @@ from quantkit.catalog import checkpoint_namer
 from quantkit.atomic import atomic_output_dir
 from quantkit.finite import check_output
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, copy_passthrough, write_json, write_weights
+from quantkit.formats.lazy import LazyCheckpoint
 
 log = logging.getLogger(__name__)
 
 
-def export_tensors(model: nn.Module, storage_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The state dict to save: float tensors in the storage dtype, tied weights stored once."""
+def export_tensors(model: nn.Module, storage_dtype: torch.dtype,
+                   stored: Optional[LazyCheckpoint] = None) -> dict[str, torch.Tensor]:
+    """The state dict to save: float tensors in the storage dtype, tied weights stored once; with `stored`
+    (the source checkpoint, when the compute dtype rounded its weights), the tensors that are still only
+    that rounding as the source stored them (`as_stored_exactly`)."""
     tensors, seen = {}, {}
     keep = fixed_dtype_keys(model)
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -31,7 +35,11 @@ def export_tensors(model: nn.Module, storage_dtype: torch.dtype) -> dict[str, to
                 continue  # e.g. lm_head.weight tied to embed_tokens.weight
             t = t.clone()
         seen[ptr] = key
-        tensors[ckpt(key)] = t if key in keep else as_stored(t, storage_dtype)
+        if key in keep:
+            tensors[ckpt(key)] = t
+        else:
+            tensors[ckpt(key)] = as_stored_exactly(t, stored.get(key) if stored is not None and key in stored
+                                                   else None, storage_dtype)
     return tensors
 
 
@@ -47,6 +55,18 @@ def as_stored(t: torch.Tensor, storage_dtype: torch.dtype) -> torch.Tensor:
     return t.to(storage_dtype) if t.is_floating_point() and t.element_size() >= 2 else t
 
 
+def as_stored_exactly(t: torch.Tensor, source: Optional[torch.Tensor], storage_dtype: torch.dtype) -> torch.Tensor:
+    """`as_stored(t)`, except where `t` is only a narrower compute dtype's rounding of the source's tensor
+    of the same name (`source`): then the source's own values. A compute dtype narrower than the
+    checkpoint (bf16 asked for on a float32 one) rounds every weight it loads; the tensors that no stage
+    changed or quantized (embeddings, norms, routers) are still exactly that rounding when written, and
+    go back to the file as they were instead of rounded."""
+    if (source is not None and t.is_floating_point() and t.element_size() >= 2 and source.is_floating_point()
+            and t.dtype != source.dtype and t.shape == source.shape and torch.equal(t, source.to(t.dtype))):
+        return as_stored(source, storage_dtype)
+    return as_stored(t, storage_dtype)
+
+
 def export_checkpoint(
     model: nn.Module,
     out: Path,
@@ -60,12 +80,14 @@ def export_checkpoint(
     keep_remote_code: bool = False,
     notify: Callable[[str], None] = log.warning,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    stored: Optional[LazyCheckpoint] = None,
 ) -> Path:
     """Save `model` to `out`; nothing appears at `out` unless every file was written.
 
     Every float tensor (weights, scales) is checked to be finite first. `protect`: paths --overwrite
-    must not replace (the source). For the other files see `write_model_files`."""
-    tensors = export_tensors(model, storage_dtype)
+    must not replace (the source). `stored`: the source checkpoint when the compute dtype was narrower
+    than it (see `export_tensors`). For the other files see `write_model_files`."""
+    tensors = export_tensors(model, storage_dtype, stored)
     check_output(tensors)
     with atomic_output_dir(out, overwrite, protect) as tmp:
         write_weights(tmp, tensors, max_shard_bytes)

@@ -25,6 +25,7 @@ from quantkit.calibration.activations import Activations, Budget
 from quantkit.errors import QuantizationError
 from quantkit.export import export_checkpoint, write_model_files
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, read_config
+from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.quantization_config import build_quantization_config
 from quantkit.models.resolve import resolve_model
 from quantkit.finite import check_source
@@ -341,11 +342,14 @@ def _run(model, adapter, stages, batches, storage_dtype, progress, where, activa
     if onloaded is None:
         result = quantize_model(model, adapter, stages, batches, storage_dtype, progress, device=where.device,
                                 activations=activations)
+        # a compute dtype narrower than the checkpoint rounded every weight: what stayed float goes back as stored
+        rounded = not compute.holds_exactly(model.quantkit_compute.dtype, storage_dtype)
         export_checkpoint(
             model, out, storage_dtype=storage_dtype, source=source,
             quantization_config=build_quantization_config(model, result.quantized, result.kv_cache_scheme),
             extra_files=extra_files(result), overwrite=overwrite, protect=[source], keep_remote_code=trust_remote_code,
-            notify=notify, max_shard_bytes=max_shard_bytes)
+            notify=notify, max_shard_bytes=max_shard_bytes,
+            stored=LazyCheckpoint(source, adapter.to_module_name) if rounded else None)
     else:
         with atomic_output_dir(out, overwrite, protect=[source]) as tmp:  # an interrupted run leaves nothing at out
             part = None if state.has("head") else state.part("head")

@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from quantkit.arch.adapter import ArchitectureAdapter
 from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
-from quantkit.export import as_stored, fixed_dtype_keys
+from quantkit.compute import holds_exactly
+from quantkit.export import as_stored_exactly, fixed_dtype_keys
 from quantkit.finite import check_output, find_nonfinite, refuse_or_zero, zero_nonfinite
 from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, ShardWriter
 from quantkit.formats.lazy import LazyCheckpoint
@@ -48,6 +49,7 @@ class OnloadedModel:
     def __init__(self, model: PreTrainedModel, source: Path, adapter: ArchitectureAdapter, dtype: torch.dtype,
                  storage_dtype: torch.dtype):
         self.model, self.adapter, self.dtype, self.storage = model, adapter, dtype, storage_dtype
+        self.rounded = not holds_exactly(dtype, storage_dtype)  # the compute dtype rounds the stored weights
         self.ckpt = LazyCheckpoint(source, adapter.to_module_name)
         self.zeroed: set[str] = set()
         self.writer: ShardWriter | None = None
@@ -102,7 +104,12 @@ class OnloadedModel:
         module.requires_grad_(False)
 
     def _write(self, key: str, t: torch.Tensor, own_dtype: bool = False) -> None:
-        name, t = self.namer(key), (t if own_dtype else as_stored(t, self.storage))
+        """Tensor `key` to the shards: in its own dtype, or as the checkpoint keeps it; one still in the compute
+        dtype that is only its rounding of the stored tensor goes back as stored (`as_stored_exactly`)."""
+        if not own_dtype:
+            rounded = self.rounded and t.dtype == self.dtype and key in self.ckpt
+            t = as_stored_exactly(t, self._get(key, cast=False) if rounded else None, self.storage)
+        name = self.namer(key)
         check_output({name: t})
         assert self.writer is not None, "begin(writer) first"
         self.writer.add(name, t)

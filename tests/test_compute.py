@@ -84,6 +84,22 @@ def test_overrides_environment_then_setting(monkeypatch):
     assert choose(torch.bfloat16, "cpu", features=AVX2, probe=_never_probe).source == "auto"
 
 
+@pytest.mark.parametrize("storage, asked, rounds", [
+    (torch.float32, "bfloat16", True), (torch.float32, "float16", True), (torch.bfloat16, "float16", True),
+    (torch.float16, "bfloat16", True), (torch.bfloat16, "float32", False), (torch.bfloat16, "bfloat16", False),
+    (torch.float32, "float32", False),
+])
+@pytest.mark.parametrize("how", ["env", "setting"])
+def test_a_dtype_asked_for_that_rounds_the_weights_says_so(monkeypatch, storage, asked, rounds, how):
+    if how == "env":
+        monkeypatch.setenv(compute.ENV, asked)
+    got = choose(storage, "cpu", asked if how == "setting" else "auto", "calibration.dtype", features=AMX,
+                 probe=_never_probe)
+    assert got.name == asked and compute.holds_exactly(got.dtype, storage) is not rounds
+    said = f"narrower than the checkpoint's {str(storage).removeprefix('torch.')}: calibration sees its weights rounded"
+    assert (said in got.describe()) is rounds
+
+
 @pytest.mark.parametrize("where, value", [("env", "int8"), ("setting", "double")])
 def test_unknown_names_are_errors(monkeypatch, where, value):
     if where == "env":

@@ -68,6 +68,39 @@ def test_onloaded_files_equal_whole_model_files(arch, kind, sources, tmp_path):
     assert [r["name"] for r in whole.result.layers] == [r["name"] for r in layers.result.layers]
 
 
+@pytest.mark.parametrize("kind", ["rtn", "awq"])
+def test_a_narrower_compute_dtype_writes_what_it_did_not_change_as_stored(kind, sources, tmp_path):
+    """bf16 asked for on a float32 checkpoint (as QUANTKIT_COMPUTE_DTYPE=bfloat16 or the bf16 policy of an
+    AVX-512 machine would run a float32 model) rounds every weight for calibration. The tensors no stage
+    changed (embeddings, norms, the MoE router, the head) are still written as the source stored them, the
+    same bytes whole-model and onloaded, and the API's save writes the same checkpoint."""
+    from safetensors.torch import load_file
+
+    recipe, overrides = RECIPES[kind]
+    overrides = [*overrides, "calibration.dtype=bfloat16"]
+    source = sources["mixtral"]  # float32, random norms and router
+    whole, layers = _both(source, recipe, overrides, tmp_path)
+    assert "narrower than the checkpoint's float32" in whole.compute.describe()
+    a, b = _files(whole.output), _files(layers.output)
+    assert a.keys() == b.keys() and all(a[n] == b[n] for n in a)
+    model, _ = quantkit.quantize(source, recipe, overrides=overrides)
+    saved = quantkit.save(model, tmp_path / "api")
+    assert load_file(saved / "model.safetensors").keys() == load_file(whole.output / "model.safetensors").keys()
+    assert (saved / "model.safetensors").read_bytes() == a["model.safetensors"]
+
+    src, out = load_file(source / "model.safetensors"), load_file(whole.output / "model.safetensors")
+    kept = [k for k in out if k in src]  # every tensor that is not a quantized linear's
+    assert kept and all(out[k].dtype == torch.float32 for k in kept)
+    folded = {k for k in kept if not torch.equal(out[k], src[k])}
+    # RTN changes none of them; AWQ folds its scales into the norms before the linears it scales, and the
+    # router, which reads the scaled norm's output too, takes their inverse
+    changed_by_awq = {k for k in kept if k.endswith(("layernorm.weight", "block_sparse_moe.gate.weight"))}
+    assert folded == (set() if kind == "rtn" else changed_by_awq)
+    for k in folded:  # what a stage changed is written from the model (bf16 values), not from the source
+        assert torch.equal(out[k], out[k].to(torch.bfloat16).float())
+    assert any("gate.weight" in k for k in kept) and "model.embed_tokens.weight" in kept
+
+
 def test_sharded_output_streams_and_loads(sources, tmp_path, tokenizer):
     whole, layers = _both(sources["llama"], *RECIPES["gptq"], tmp_path, max_shard_bytes=20_000)
     a, b = _files(whole.output), _files(layers.output)
