@@ -38,8 +38,7 @@ def export_tensors(model: nn.Module, storage_dtype: torch.dtype,
         if key in keep:
             tensors[ckpt(key)] = t
         else:
-            wide = t.is_floating_point() and t.element_size() >= 2  # FP8 codes are never a rounding: not read
-            source = stored.get(key) if wide and stored is not None and key in stored else None
+            source = stored.get(key) if stored is not None and key in stored and _wide_float(t) else None
             tensors[ckpt(key)] = as_stored_exactly(t, source, storage_dtype)
     return tensors
 
@@ -53,7 +52,13 @@ def fixed_dtype_keys(module: nn.Module) -> set[str]:
 
 def as_stored(t: torch.Tensor, storage_dtype: torch.dtype) -> torch.Tensor:
     """A tensor as the checkpoint keeps it: wide floats in the storage dtype (FP8 codes as they are)."""
-    return t.to(storage_dtype) if t.is_floating_point() and t.element_size() >= 2 else t
+    return t.to(storage_dtype) if _wide_float(t) else t
+
+
+def _wide_float(t: torch.Tensor) -> bool:
+    """A float of 16 bits or more: stored in the checkpoint dtype, and possibly a compute dtype's rounding
+    of a stored tensor. FP8 codes are neither (kept as they are; their source is never read)."""
+    return t.is_floating_point() and t.element_size() >= 2
 
 
 def as_stored_exactly(t: torch.Tensor, source: Optional[torch.Tensor], storage_dtype: torch.dtype) -> torch.Tensor:
@@ -62,8 +67,8 @@ def as_stored_exactly(t: torch.Tensor, source: Optional[torch.Tensor], storage_d
     checkpoint (bf16 asked for on a float32 one) rounds every weight it loads; the tensors that no stage
     changed or quantized (embeddings, norms, routers) are still exactly that rounding when written, and
     go back to the file as they were instead of rounded."""
-    if (source is not None and t.is_floating_point() and t.element_size() >= 2 and source.is_floating_point()
-            and t.dtype != source.dtype and t.shape == source.shape and torch.equal(t, source.to(t.dtype))):
+    if (source is not None and _wide_float(t) and source.is_floating_point() and t.dtype != source.dtype
+            and t.shape == source.shape and torch.equal(t, source.to(t.dtype))):
         return as_stored(source, storage_dtype)
     return as_stored(t, storage_dtype)
 
