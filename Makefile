@@ -34,7 +34,7 @@ test-fast: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
-	$(BIN)/python bench/kernels.py --device cpu --m 1,16,64,256
+	$(BIN)/python bench/kernel_speed.py --device cpu --m 1,16,64,256
 	$(BIN)/python bench/decode.py smollm2-135m $(DEMO_OUT)
 
 clean:

@@ -20,5 +20,5 @@ for spec in gptq-w4a16:0 awq-w4a16:1; do
 done
 $QK generate "$OUT/gptq-w4a16" "It is a truth universally acknowledged" -n 64 --device cuda
 $QK eval ppl "$MODEL" "$OUT/gptq-w4a16" --device cuda --max-windows 4 --no-progress
-"$PY" bench/kernels.py --device cuda --budget 0.2
+"$PY" bench/kernel_speed.py --device cuda --budget 0.2
 rm -rf "$OUT"

@@ -1,6 +1,6 @@
 """Quantized matmul kernels against torch's 16-bit (or float32) matmul, on the linear shapes of Llama-3-8B and Qwen3-4B.
 
-Usage: python bench/kernels.py [--device cpu|cuda] [--m 1,16,64,256,2048] [--shapes square,llama3-8b,qwen3-4b]
+Usage: python bench/kernel_speed.py [--device cpu|cuda] [--m 1,16,64,256,2048] [--shapes square,llama3-8b,qwen3-4b]
                                [--peak-gbps X] [--budget 0.3]
 CPU: the int4 op (`kernels.cpu_int4`) alone, and the quantized linear as the runner uses it (the op up to
 160 tokens, then dequantize + bf16 GEMM); at M=1 also its torch dequantize path. CUDA: Triton W4A16 (per M,
