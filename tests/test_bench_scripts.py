@@ -4,7 +4,7 @@ a model) would be imported in its place and break every bench script that loads 
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +15,10 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 def test_no_bench_script_shadows_an_installed_module():
     names = sorted(p.stem for p in BENCH.glob("*.py"))
     assert "big_model" in names and "decode" in names
-    # found with bench/ off the path, any of these would be shadowed by the script when it is on it
-    shadowing = [n for n in names if importlib.util.find_spec(n) is not None]
+    # looked up with bench/ off the path (whatever the runner put on it): any found would be shadowed by the script
+    path = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
+    shadowing = [n for n in names if n in sys.builtin_module_names
+                 or importlib.machinery.PathFinder.find_spec(n, path) is not None]
     assert shadowing == [], f"bench scripts named like installed modules: {shadowing}; rename them"
 
 
