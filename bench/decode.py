@@ -6,9 +6,12 @@ Each run generates n tokens greedily from the same prompt (end tokens ignored, s
 decodes n tokens); runs alternate between the setups and the median TTFT and decode tokens/s of
 each is printed with the ratio to the first row's, and as a fraction of its memory-bandwidth
 roofline: bandwidth / weight bytes read per token (every linear's stored weight and the head, in the
-bytes the kernels read), with the read bandwidth measured here (a sum over a 1 GB buffer). --hf adds transformers' `generate` on the
-baseline model (same prompt, greedy, KV cache; a copy loaded apart, its weights as loaded) as a row; --draft adds speculative decoding of
-the baseline with that draft (acceptance rate printed).
+bytes the kernels read), with the read bandwidth measured here (a sum over a 1 GB buffer). quantkit's
+models load as `quantkit generate` loads them (the decode workload's dtype choice). --hf adds
+transformers' `generate` on the baseline model (same prompt, greedy, KV cache; a copy loaded apart)
+in the dtype quantkit's batch policy picks for it and, when that is 16-bit, in float32 too (the
+target compares with the faster); --draft adds speculative decoding of the baseline with that draft
+(acceptance rate printed).
 """
 
 from __future__ import annotations
@@ -47,12 +50,19 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     tok = load_tokenizer(args.models[0])
     ids = tok(args.prompt)["input_ids"]
-    models = {name: load(name) for name in args.models}
+    models = {name: load(name, workload="decode") for name in args.models}
     setups = {f"quantkit {name}": (lambda m=m: _ours(generate, m, tok, ids, params)) for name, m in models.items()}
     base = models[args.models[0]]
-    if args.hf:  # its own copy, as loaded: quantkit's decode re-lays out the weights of the models it runs
-        hf_model = load(args.models[0])
-        setups[f"transformers generate {args.models[0]}"] = lambda: _hf(hf_model, ids, args.max_new_tokens)
+    hf_rows = {}
+    if args.hf:  # its own copies: quantkit's decode re-lays out the weights of the models it runs
+        import torch
+
+        batch = load(args.models[0])  # the batch policy's dtype (bf16 where GEMMs are fast), as transformers loads it
+        for dtype in dict.fromkeys([batch.dtype, torch.float32]):
+            hf_model = batch if dtype == batch.dtype else load(args.models[0], dtype=dtype)
+            name = f"transformers generate {args.models[0]} ({str(dtype).removeprefix('torch.')})"
+            hf_rows[name] = hf_model
+            setups[name] = lambda m=hf_model: _hf(m, ids, args.max_new_tokens)
     if args.draft:
         draft = load(args.draft)
         setups[f"quantkit {args.models[0]} + draft {args.draft}"] = \
@@ -71,8 +81,8 @@ def main() -> None:
           f"{args.max_new_tokens} new tokens, greedy, median of {args.runs} alternating runs")
     bandwidth = _read_bandwidth()
     per_token = {f"quantkit {n}": _bytes_per_token(m) for n, m in models.items()}
-    if args.hf:
-        per_token[f"transformers generate {args.models[0]}"] = per_token[f"quantkit {args.models[0]}"]
+    for name, m in hf_rows.items():
+        per_token[name] = _bytes_per_token(m)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over a 1 GB float32 buffer, best of 5)")
     print("| setup | decode tok/s | vs first row | weight MB/token | roofline tok/s | of roofline | TTFT ms | tokens | draft acceptance |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -86,6 +96,10 @@ def main() -> None:
         roof = f"{b / 1e6:.0f} | {bandwidth / b:.0f} | {tps / (bandwidth / b):.0%}" if b else "- | - | -"
         print(f"| {name} | {tps:.1f} | {tps / first:.2f}x | {roof} | {ttft:.0f} | {rs[0][2]} | "
               f"{'-' if acc is None else f'{acc:.0%}'} |")
+    if hf_rows:
+        fastest = max(hf_rows, key=lambda n: statistics.median(r[0] for r in results[n]))
+        print(f"quantkit {args.models[0]} / the faster transformers row ({fastest}): "
+              f"{first / statistics.median(r[0] for r in results[fastest]):.2f}x (target: at least 1.2x)")
 
 
 def _read_bandwidth() -> float:

@@ -8,6 +8,14 @@ has the features but the environment keeps torch from them (`ATEN_CPU_CAPABILITY
 `ONEDNN_MAX_CPU_ISA` below bf16: oneDNN then runs a bf16 GEMM ~100x slower, as on an AVX2 CPU),
 the probe decides too; that is also how an AVX2 machine is imitated on an AVX-512 one.
 
+The workload matters too: a model loaded to generate (`workload="decode"`) spends its time on
+one-token linears (GEMVs), which some CPUs run slower in bf16 than in float32 even where bf16
+GEMMs are 4x faster (an AVX-512 Xeon without AMX: 1536 x 576 at one token 90 us in bf16, 50 in
+float32). There a second probe, timing a few typical linear shapes at one token and cached per
+machine, keeps the 16-bit dtype only where its GEMV is not slower (`DECODE_MIN_RATIO`) or where the
+model would not fit in memory in float32; otherwise decode computes in float32 (the weights exact,
+twice their memory) and the choice says so.
+
 The choice never loses weight precision: a 16-bit compute dtype is taken only for a checkpoint
 stored in a dtype it holds exactly (bf16 -> float32 is exact, float32 -> bf16 is not), so a
 float32 checkpoint computes in float32. `QUANTKIT_COMPUTE_DTYPE`, or an explicit setting (a
@@ -37,6 +45,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 PROBE_FILE = "compute-probe.json"
 PROBE_MIN_SPEEDUP = 1.5  # bf16 counts as fast when its matmul beats float32 by this factor
+# decode keeps a fast 16-bit dtype while its one-token linear runs at least at this fraction of float32's
+# speed: at parity 16 bits still halve the weights' memory, and a memory-bound step gains from that on bigger models
+DECODE_MIN_RATIO = 0.9
+WORKLOADS = ("batch", "decode")  # batch: GEMMs (calibration, eval, prefill); decode: one token at a time
+GEMV_IMPLS = ("linear", "mv")  # one-token 16-bit linear on the CPU: F.linear, or torch.mv (row-major weight)
 # dtypes that hold every value of a storage dtype exactly (float16 -> bfloat16 would drop 3 mantissa bits);
 # bf16 -> fp16 keeps every bf16 weight of a normal model (8 of fp16's 11 mantissa bits, |w| < 65504)
 EXACT_FOR = {
@@ -163,11 +176,20 @@ def fast_16bit(device: Union[str, torch.device], features: Optional[CpuFeatures]
 
 def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setting: Optional[str] = "auto",
            setting_name: str = "dtype", features: Optional[CpuFeatures] = None,
-           probe: Optional[Callable[[], bool]] = None) -> ComputeChoice:
+           probe: Optional[Callable[[], bool]] = None, workload: str = "batch",
+           decode_ratio: Optional[Callable[[torch.dtype], float]] = None,
+           float32_fits: Optional[Callable[[], bool]] = None) -> ComputeChoice:
     """The compute dtype for a checkpoint stored in `storage` on `device`.
 
     Precedence: an explicit `setting` (named `setting_name` in messages), then QUANTKIT_COMPUTE_DTYPE,
-    then the hardware's fast dtype among those holding `storage` exactly, else float32."""
+    then the hardware's fast dtype among those holding `storage` exactly, else float32.
+
+    workload: "batch" (GEMMs: calibration, eval) or "decode" (generate, chat): on a CPU, decode keeps a
+    16-bit dtype only where `decode_ratio(dtype)` (float32's one-token linear time over the 16-bit one's;
+    by default `gemv_ratio_cached` at generic shapes) is at least DECODE_MIN_RATIO, or where
+    `float32_fits()` says the model would not fit in memory in float32."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload {workload!r}: use one of {', '.join(WORKLOADS)}")
     dev = str(torch.device(device))
     explicit = parse_dtype(setting or "auto", setting_name)
     if explicit is not None:
@@ -180,6 +202,8 @@ def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setti
     exact = EXACT_FOR.get(storage, (torch.float32,))
     for dtype in fast:
         if dtype in exact:
+            if workload == "decode" and torch.device(device).type == "cpu":
+                return _for_decode(dtype, dev, why, decode_ratio or gemv_ratio_cached, float32_fits)
             return ComputeChoice(dtype, dev, why, "auto")
     if torch.device(device).type == "cuda" and fast and storage == torch.bfloat16:
         return ComputeChoice(fast[0], dev, why, "auto")  # bf16 weights are exact in fp16 but for subnormals
@@ -188,6 +212,20 @@ def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setti
     elif fast:
         why = f"{why}; the checkpoint is {_name(storage)}, which {_name(fast[0])} does not hold exactly"
     return ComputeChoice(torch.float32, dev, why, "auto")
+
+
+def _for_decode(dtype: torch.dtype, dev: str, why: str, ratio_of: Callable[[torch.dtype], float],
+                float32_fits: Optional[Callable[[], bool]]) -> ComputeChoice:
+    """A fast 16-bit `dtype` for a decode workload on the CPU: kept where its one-token linear keeps up."""
+    ratio = ratio_of(dtype)
+    measured = f"a one-token {_name(dtype)} linear runs at {ratio:.2f}x float32's speed here"
+    if ratio >= DECODE_MIN_RATIO:
+        return ComputeChoice(dtype, dev, f"{why}; {measured}", "auto")
+    if float32_fits is not None and not float32_fits():
+        return ComputeChoice(dtype, dev, f"{why}; {measured}, but the model would not fit in memory in float32",
+                             "auto")
+    return ComputeChoice(torch.float32, dev, f"{why}, but {measured}: decoding in float32 (weights exact, "
+                                             f"twice their memory)", "auto")
 
 
 def holds_exactly(compute: torch.dtype, storage: torch.dtype) -> bool:
@@ -245,23 +283,105 @@ def probe_bf16(timer: Callable[[torch.dtype], float] = _matmul_seconds) -> bool:
 
 def probe_bf16_cached(cache_file: Optional[Path] = None, timer: Callable[[torch.dtype], float] = _matmul_seconds) -> bool:
     """`probe_bf16`, run once per machine (CPU model and torch version) and kept in the cache."""
-    from quantkit.paths import cache_dir
-
-    path = cache_file or cache_dir() / PROBE_FILE
     key = _machine_key()
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if isinstance(known, dict) and isinstance(known.get(key), bool):
+    known = _read_probe_cache(cache_file)
+    if isinstance(known.get(key), bool):
         return known[key]
     fast = probe_bf16(timer)
+    _write_probe_cache(cache_file, key, fast)
+    return fast
+
+
+# -- the one-token (GEMV) probe, for decode ------------------------------------------------------
+
+GEMV_SHAPES = ((1536, 576), (576, 1536), (2048, 2048), (4096, 4096))  # [out, in]: small and 8B-sized layers
+
+
+def _gemv_seconds(dtype: torch.dtype, impl: str, shape: tuple[int, int], reps: int = 20) -> float:
+    """Best time of one one-token linear of `shape` in `dtype` by `impl`: float32 as the lean decode step
+    keeps it (column-major), 16 bits through F.linear or torch.mv on a row-major weight."""
+    import torch.nn.functional as F
+
+    out, inp = shape
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out, inp, generator=g).to(dtype)
+    x = torch.randn(1, inp, generator=g).to(dtype)
+    if dtype == torch.float32:
+        w = w.t().contiguous().t()
+    fn = (lambda: torch.mv(w, x[0])) if impl == "mv" else (lambda: F.linear(x, w))
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def gemv_timings(dtype: torch.dtype, shapes=GEMV_SHAPES,
+                 timer: Callable[[torch.dtype, str, tuple[int, int]], float] = _gemv_seconds) -> dict[str, float]:
+    """Seconds summed over `shapes` for a one-token linear: "float32", and `dtype` by each of GEMV_IMPLS
+    (about 0.1 s in all)."""
+    result = {"float32": sum(timer(torch.float32, "linear", s) for s in shapes)}
+    for impl in GEMV_IMPLS:
+        result[impl] = sum(timer(dtype, impl, s) for s in shapes)
+    log.info("one-token linear probe (%s): %s", _name(dtype),
+             ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in result.items()))
+    return result
+
+
+def gemv_timings_cached(dtype: torch.dtype, cache_file: Optional[Path] = None,
+                        timer: Callable[[torch.dtype, str, tuple[int, int]], float] = _gemv_seconds) -> dict[str, float]:
+    """`gemv_timings` at GEMV_SHAPES, measured once per machine (CPU model, torch version) and dtype
+    and kept in the probe cache, so the decode dtype and kernel choices stay the same from run to run."""
+    key = f"gemv {_name(dtype)}|{_machine_key()}"
+    known = _read_probe_cache(cache_file)
+    value = known.get(key)
+    if isinstance(value, dict) and all(isinstance(value.get(k), (int, float)) and value[k] > 0
+                                       for k in ("float32", *GEMV_IMPLS)):
+        return {k: float(value[k]) for k in ("float32", *GEMV_IMPLS)}
+    timings = gemv_timings(dtype, timer=timer)
+    _write_probe_cache(cache_file, key, timings)
+    return timings
+
+
+def gemv_ratio_cached(dtype: torch.dtype) -> float:
+    """float32's one-token linear time over `dtype`'s by its faster implementation (above 1: 16 bits faster)."""
+    t = gemv_timings_cached(dtype)
+    return t["float32"] / min(t[impl] for impl in GEMV_IMPLS)
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_impl(dtype: torch.dtype) -> str:
+    """How the lean decode step runs a one-token `dtype` linear on this CPU: "mv" or "linear", whichever
+    the cached probe found faster (an AVX512+AMX Xeon: torch.mv 1.7-2.3x faster than F.linear in bf16;
+    an AVX-512 Xeon without AMX: F.linear 2.8x faster than torch.mv)."""
+    t = gemv_timings_cached(dtype)
+    return min(GEMV_IMPLS, key=lambda impl: t[impl])
+
+
+def _probe_cache_path(cache_file: Optional[Path]) -> Path:
+    from quantkit.paths import cache_dir
+
+    return cache_file or cache_dir() / PROBE_FILE
+
+
+def _read_probe_cache(cache_file: Optional[Path]) -> dict:
+    try:
+        known = json.loads(_probe_cache_path(cache_file).read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write_probe_cache(cache_file: Optional[Path], key: str, value) -> None:
+    path = _probe_cache_path(cache_file)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**(known if isinstance(known, dict) else {}), key: fast}, indent=2) + "\n")
+        path.write_text(json.dumps({**_read_probe_cache(cache_file), key: value}, indent=2) + "\n")
     except OSError as exc:  # a read-only cache only costs a re-probe next time
-        log.info("could not cache the bf16 probe in %s: %s", path, exc)
-    return fast
+        log.info("could not cache a probe in %s: %s", path, exc)
 
 
 def machine_summary() -> str:

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = None,
-         device: Union[str, torch.device, None] = "cpu", offload: Optional[str] = "none") -> PreTrainedModel:
+         device: Union[str, torch.device, None] = "cpu", offload: Optional[str] = "none",
+         workload: str = "batch") -> PreTrainedModel:
     """Load a plain or compressed-tensors checkpoint onto `device` (cpu by default; "auto" takes CUDA when
     present, `quantkit.devices`; a device asked for and missing is an error).
 
@@ -48,13 +49,18 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     offload: "none" (default) loads every tensor; "disk" keeps the decoder layers in the checkpoint and
     loads each just before it runs (`runtime.offload`: memory for one layer, much slower); "auto" offloads
     only a model that would not fit in memory. The choice is kept as `model.quantkit_offload`.
+
+    workload: what the model is for, when the dtype is chosen automatically: "batch" (eval, calibration:
+    GEMMs) or "decode" (generate, chat: one token at a time, where some CPUs run bf16 slower than
+    float32; `compute.choose`).
     """
     where = devices.resolve(device, "device")
     path = resolve_model(None if path is None else str(path))
     raw = read_config(path)
     qc = raw.get("quantization_config")
     plan = parse_quantization_config(qc, f"{path}/config.json") if qc else None
-    choice = compute_choice(dtype, checkpoint_dtype(raw), where.device)
+    choice = compute_choice(dtype, checkpoint_dtype(raw), where.device, workload,
+                            float32_fits=lambda: _fits_in_float32(path))
     dtype = choice.dtype
     config = model_config(path, raw)
     if hasattr(config, "quantization_config"):
@@ -104,12 +110,24 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     return model
 
 
-def compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype,
-                    device: torch.device) -> compute.ComputeChoice:
+def compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype, device: torch.device,
+                   workload: str = "batch", float32_fits=None) -> compute.ComputeChoice:
     if isinstance(dtype, torch.dtype):
         return compute.ComputeChoice(dtype, str(device), f"dtype={str(dtype).removeprefix('torch.')} asked for",
                                      "setting")
-    return compute.choose(storage, device, dtype or "auto", "dtype")
+    return compute.choose(storage, device, dtype or "auto", "dtype", workload=workload, float32_fits=float32_fits)
+
+
+def _fits_in_float32(path: Path) -> bool:
+    """Whether the checkpoint's tensors, every float one as float32, fit the memory whole-model loading may
+    take (`runtime.offload.FIT_SHARE` of what is available): from the safetensors headers, nothing read."""
+    from quantkit.memory import available_memory
+
+    available = available_memory()
+    if available is None:
+        return True
+    total = offload_mod.in_memory_bytes(LazyCheckpoint(path, lambda name: name), torch.float32, lambda owner: False)
+    return total <= offload_mod.FIT_SHARE * available
 
 
 def model_config(path: Path, raw: dict):

@@ -201,3 +201,128 @@ def test_the_probe_cache_keeps_limited_environments_apart(monkeypatch):
     plain = compute._machine_key()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert compute._machine_key() == plain + "|ONEDNN_MAX_CPU_ISA=AVX2"
+
+
+# -- the decode workload: one token at a time ----------------------------------------------------
+
+
+def _never_gemv(dtype):
+    raise AssertionError("the one-token probe must not run here")
+
+
+@pytest.mark.parametrize("ratio, fits, expected, words", [
+    (0.55, True, torch.float32, "a one-token bfloat16 linear runs at 0.55x float32's speed here: decoding in float32"),
+    (0.95, True, torch.bfloat16, "runs at 0.95x float32's speed"),  # near parity: 16 bits halve the weights' memory
+    (2.10, True, torch.bfloat16, "runs at 2.10x float32's speed"),
+    (0.55, False, torch.bfloat16, "but the model would not fit in memory in float32"),
+])
+def test_decode_keeps_16_bits_only_where_its_one_token_linear_keeps_up(ratio, fits, expected, words):
+    asked = []
+    choice = choose(torch.bfloat16, "cpu", features=AVX512_BF16, probe=_never_probe, workload="decode",
+                    decode_ratio=lambda d: asked.append(d) or ratio, float32_fits=lambda: fits)
+    assert choice.dtype == expected and asked == [torch.bfloat16] and choice.source == "auto"
+    assert words in choice.reason and "AVX512 with avx512_bf16, fast bf16" in choice.reason
+    # the batch workload (calibration, eval) never asks: its GEMMs are what the 16-bit choice is about
+    assert choose(torch.bfloat16, "cpu", features=AVX512_BF16, probe=_never_probe,
+                  decode_ratio=_never_gemv).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("features, storage, setting, env", [
+    (AVX2, torch.bfloat16, "auto", ""),          # float32 already: nothing to measure
+    (AMX, torch.float32, "auto", ""),            # a float32 checkpoint computes in float32
+    (AMX, torch.bfloat16, "bfloat16", ""),       # asked for
+    (AMX, torch.bfloat16, "auto", "bfloat16"),   # QUANTKIT_COMPUTE_DTYPE
+])
+def test_decode_measures_only_an_automatic_16_bit_choice(monkeypatch, features, storage, setting, env):
+    if env:
+        monkeypatch.setenv(compute.ENV, env)
+    expected = choose(storage, "cpu", setting, features=features, probe=_never_probe)
+    got = choose(storage, "cpu", setting, features=features, probe=_never_probe, workload="decode",
+                 decode_ratio=_never_gemv, float32_fits=lambda: True)
+    assert got == expected
+
+
+def test_decode_on_cuda_is_not_measured(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    assert choose(torch.bfloat16, "cuda:0", workload="decode", decode_ratio=_never_gemv).dtype == torch.bfloat16
+
+
+def test_an_unknown_workload_is_an_error():
+    with pytest.raises(ValueError, match="workload 'train': use one of batch, decode"):
+        choose(torch.bfloat16, "cpu", features=AVX2, workload="train")
+
+
+def test_the_one_token_probe_is_cached_per_machine_and_dtype(tmp_path):
+    cache = tmp_path / "probe.json"
+    seconds = {(torch.float32, "linear"): 1.0, (torch.bfloat16, "linear"): 2.0, (torch.bfloat16, "mv"): 4.0,
+               (torch.float16, "linear"): 3.0, (torch.float16, "mv"): 3.0}
+    timed = []
+
+    def timer(dtype, impl, shape):
+        timed.append((dtype, impl, shape))
+        return seconds[dtype, impl] * shape[0] * shape[1] / 1e6
+
+    first = compute.gemv_timings_cached(torch.bfloat16, cache, timer)
+    n = len(timed)
+    assert n == 3 * len(compute.GEMV_SHAPES)  # float32, and bf16 by both implementations, at every shape
+    assert compute.gemv_timings_cached(torch.bfloat16, cache, timer) == first and len(timed) == n  # read back
+    total = sum(a * b for a, b in compute.GEMV_SHAPES) / 1e6
+    assert first == pytest.approx({"float32": total, "linear": 2 * total, "mv": 4 * total})
+    (key,) = json.loads(cache.read_text())
+    assert key.startswith("gemv bfloat16|") and key.endswith(compute._machine_key())
+    compute.gemv_timings_cached(torch.float16, cache, timer)  # another dtype: measured apart
+    assert len(timed) == 2 * n and len(json.loads(cache.read_text())) == 2
+
+
+def test_a_damaged_probe_entry_is_measured_again(tmp_path):
+    cache = tmp_path / "probe.json"
+    cache.write_text(json.dumps({f"gemv bfloat16|{compute._machine_key()}": {"float32": "fast"}}))
+    got = compute.gemv_timings_cached(torch.bfloat16, cache, lambda d, impl, shape: 1e-3)
+    assert got == pytest.approx({"float32": 4e-3, "linear": 4e-3, "mv": 4e-3})
+
+
+@pytest.mark.parametrize("impl", ["mv", "linear"])
+def test_the_lean_step_runs_16_bit_gemvs_by_the_probed_implementation(monkeypatch, impl):
+    from quantkit.runtime import lean_decode
+
+    monkeypatch.setattr(compute, "gemv_impl", lambda dtype: impl)
+    calls = []
+    real_mv = torch.mv
+    monkeypatch.setattr(torch, "mv", lambda *a: calls.append(1) or real_mv(*a))
+    g = torch.Generator().manual_seed(0)
+    w, x, b = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((48, 32), (1, 1, 32), (48,)))
+    y = lean_decode._linear(x, w, b)
+    assert y.shape == (1, 1, 48) and bool(calls) is (impl == "mv")
+    reference = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert (y.float() - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
+def test_generate_loads_for_decode_and_says_so(tiny_llama, monkeypatch):
+    from quantkit.loader import load
+
+    monkeypatch.setattr(compute, "cpu_features", lambda: AVX512_BF16)
+    monkeypatch.setattr(compute, "gemv_ratio_cached", lambda dtype: 0.5)
+    decode = load(tiny_llama, workload="decode")  # a bf16 checkpoint
+    assert decode.dtype == torch.float32 and "decoding in float32" in decode.quantkit_compute.describe()
+    assert load(tiny_llama).dtype == torch.bfloat16  # eval's batch workload keeps the fast GEMMs
+    monkeypatch.setattr(compute, "gemv_ratio_cached", lambda dtype: 1.5)
+    assert load(tiny_llama, workload="decode").dtype == torch.bfloat16
+
+
+def test_float32_fit_is_judged_from_the_headers(tiny_llama, monkeypatch):
+    from quantkit import loader, memory
+    from quantkit.formats.lazy import LazyCheckpoint
+
+    floats = sum(n for n in (_numel(LazyCheckpoint(tiny_llama).info(k)[1]) for k in LazyCheckpoint(tiny_llama).keys()))
+    monkeypatch.setattr(memory, "available_memory", lambda: int(floats * 4 / 0.8) + 16)
+    assert loader._fits_in_float32(tiny_llama) is True
+    monkeypatch.setattr(memory, "available_memory", lambda: int(floats * 4 / 0.8) - 16)
+    assert loader._fits_in_float32(tiny_llama) is False
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

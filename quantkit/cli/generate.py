@@ -30,7 +30,8 @@ def sampling_options(f):
         click.option("--num-draft-tokens", default=4, show_default=True, type=click.IntRange(min=1)),
         click.option("--dtype", default="auto", show_default=True,
                      type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
-                     help="Compute dtype; auto: bf16 only where this machine computes it fast, else float32."),
+                     help="Compute dtype; auto: bf16 only where this machine computes it fast, one token at a time "
+                          "included, else float32."),
         click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]|mps",
                      help="Where the model runs; auto takes CUDA when present (and says so)."),
         click.option("--offload", default="auto", show_default=True, type=click.Choice(["auto", "none", "disk"]),
@@ -63,9 +64,9 @@ class Runner:
 
         device = resolve(opts.get("device", "cpu")).device  # a missing device fails before anything loads
         offload = opts.get("offload", "none")
-        self.model = load(model_spec, dtype=opts.get("dtype"), device=device, offload=offload)
+        self.model = load(model_spec, dtype=opts.get("dtype"), device=device, offload=offload, workload="decode")
         self.tokenizer = load_tokenizer(model_spec)
-        self.draft = load(opts["draft"], dtype=opts.get("dtype"), device=device, offload=offload) \
+        self.draft = load(opts["draft"], dtype=opts.get("dtype"), device=device, offload=offload, workload="decode") \
             if opts.get("draft") else None
         lines = dict.fromkeys(m.quantkit_compute.describe() for m in (self.model, self.draft) if m is not None)
         if self.model.quantkit_device.is_accelerator:

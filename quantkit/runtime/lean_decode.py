@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit import compute
 from quantkit.kernels import cpu_int4
 from quantkit.quant.fp8 import fake_quantize
 from quantkit.qmodules.kv import head_view
@@ -50,7 +51,7 @@ def column_major(weight: torch.Tensor) -> bool:
     the weight as x @ W^T with W^T contiguous instead of one short dot product per output row. On an
     AVX2 EPYC (2 threads, cold caches, SmolLM2's shapes) 30 layers' GEMVs took 21.6 ms instead of
     28.0 and the 49152 x 576 head 3.8 instead of 7.6 (bench/decode.py: the whole step). 16-bit
-    weights keep their row-major layout and torch.mv (`_linear`)."""
+    weights keep their row-major layout (torch.mv or F.linear, whichever is faster here: `_linear`)."""
     return weight.dtype == torch.float32 and weight.device.type == "cpu"
 
 
@@ -144,10 +145,12 @@ def _cat_bias(linears: list[nn.Module]) -> Optional[torch.Tensor]:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """F.linear, except for one 16-bit token on CPU: torch.mv there (this CPU's bf16 GEMV through
-    F.linear is 1.7-2.3x slower than through mv: 120 vs 69 us at 1728 x 576, 2950 vs 1308 us for
-    SmolLM2's 49152 x 576 head)."""
-    if x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
+    """F.linear, or for one 16-bit token on CPU whichever of torch.mv and F.linear this CPU runs faster
+    (`compute.gemv_impl`, probed once per machine: an AVX512+AMX Xeon ran bf16 GEMVs 1.7-2.3x faster
+    through mv, 69 vs 120 us at 1728 x 576; an AVX-512 Xeon without AMX 2.8x slower, 253 vs 90 us at
+    1536 x 576)."""
+    if x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" \
+            and compute.gemv_impl(x.dtype) == "mv":
         y = torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
