@@ -1,9 +1,13 @@
 """The compute dtype: the float dtype matmuls run in, chosen by what the device computes fast.
 
-A 16-bit dtype is chosen only where the device has it in hardware: CUDA devices with bf16 (fp16
-on those without), CPUs whose torch build reports avx512_bf16 or AMX tiles, and, on CPUs torch
-cannot tell about (not x86), a short matmul probe whose result is cached per machine. Otherwise
-float32: on an AVX2-only CPU a bf16 matmul is emulated and ~100x slower than float32. Where the CPU
+A 16-bit dtype is chosen only where the device computes it fast: CUDA devices with bf16 (fp16
+on those without), CPUs whose torch build reports AMX tiles, and, on CPUs with avx512_bf16 but no
+AMX or that torch cannot tell about (not x86), where a short matmul probe finds bf16 at least 1.5x
+faster than float32 (cached per machine). avx512_bf16 alone is no promise: on an Intel Xeon with it
+(and avx512_fp16) but no AMX, torch 2.13's bf16 GEMMs ran 1.8x *slower* than float32 (a 2048 x 512 x
+512 product 7.3 vs 4.1 ms; a SmolLM2 layer forward 128 vs 80 ms), and GPTQ and AWQ took 1.2-1.3x
+longer in bf16. Otherwise float32: on an AVX2-only CPU a bf16 matmul is emulated and ~100x slower
+than float32. Where the CPU
 has the features but the environment keeps torch from them (`ATEN_CPU_CAPABILITY=avx2`, or
 `ONEDNN_MAX_CPU_ISA` below bf16: oneDNN then runs a bf16 GEMM ~100x slower, as on an AVX2 CPU),
 the probe decides too; that is also how an AVX2 machine is imitated on an AVX-512 one.
@@ -167,6 +171,10 @@ def fast_16bit(device: Union[str, torch.device], features: Optional[CpuFeatures]
             fast = (probe or probe_bf16_cached)()
             return ((torch.bfloat16,) if fast else ()), \
                 f"{f.capability}, {which} limited by {f.limited_by}, bf16 matmul probe: {'fast' if fast else 'slow'}"
+        if not f.amx_tile:  # avx512_bf16 alone has been both: measure
+            fast = (probe or probe_bf16_cached)()
+            return ((torch.bfloat16,) if fast else ()), \
+                f"{f.capability} with avx512_bf16 but no AMX, bf16 matmul probe: {'fast' if fast else 'slow'}"
         return ((torch.bfloat16, torch.float16) if f.amx_fp16 else (torch.bfloat16,)), f"{f.capability} with {which}, fast bf16"
     if f.x86:
         return (), f"{f.capability}, no fast bf16"
