@@ -13,9 +13,8 @@ has the features but the environment keeps torch from them (`ATEN_CPU_CAPABILITY
 the probe decides too; that is also how an AVX2 machine is imitated on an AVX-512 one.
 
 The workload matters too: a model loaded to generate (`workload="decode"`) spends its time on
-one-token linears (GEMVs), which some CPUs run slower in bf16 than in float32 even where bf16
-GEMMs are 4x faster (an AVX-512 Xeon without AMX: 1536 x 576 at one token 90 us in bf16, 50 in
-float32). There a second probe, timing a few typical linear shapes at one token and cached per
+one-token linears (GEMVs), whose speed in bf16 need not follow the GEMMs' (an AVX-512 Xeon without
+AMX: 1536 x 576 at one token 90 us in bf16, 50 in float32). There a second probe, timing a few typical linear shapes at one token and cached per
 machine, keeps the 16-bit dtype only where its GEMV is not slower (`DECODE_MIN_RATIO`) or where the
 model would not fit in memory in float32; otherwise decode computes in float32 (the weights exact,
 twice their memory) and the choice says so.
@@ -330,7 +329,7 @@ def _gemv_seconds(dtype: torch.dtype, impl: str, shape: tuple[int, int], reps: i
 def gemv_timings(dtype: torch.dtype, shapes=GEMV_SHAPES,
                  timer: Callable[[torch.dtype, str, tuple[int, int]], float] = _gemv_seconds) -> dict[str, float]:
     """Seconds summed over `shapes` for a one-token linear: "float32", and `dtype` by each of GEMV_IMPLS
-    (about 0.1 s in all)."""
+    (well under a second in all)."""
     result = {"float32": sum(timer(torch.float32, "linear", s) for s in shapes)}
     for impl in GEMV_IMPLS:
         result[impl] = sum(timer(dtype, impl, s) for s in shapes)
