@@ -14,10 +14,10 @@ the probe decides too; that is also how an AVX2 machine is imitated on an AVX-51
 
 The workload matters too: a model loaded to generate (`workload="decode"`) spends its time on
 one-token linears (GEMVs), whose speed in bf16 need not follow the GEMMs' (an AVX-512 Xeon without
-AMX: 1536 x 576 at one token 90 us in bf16, 50 in float32). There a second probe, timing a few typical linear shapes at one token and cached per
-machine, keeps the 16-bit dtype only where its GEMV is not slower (`DECODE_MIN_RATIO`) or where the
-model would not fit in memory in float32; otherwise decode computes in float32 (the weights exact,
-twice their memory) and the choice says so.
+AMX: 1536 x 576 at one token 90 us in bf16, 50 in float32). There a second probe, timing a few
+typical linear shapes at one token and cached per machine, keeps the 16-bit dtype only where its
+GEMV is not slower (`DECODE_MIN_RATIO`) or where the model would not fit in memory in float32;
+otherwise decode computes in float32 (the weights exact, twice their memory) and the choice says so.
 
 The choice never loses weight precision: a 16-bit compute dtype is taken only for a checkpoint
 stored in a dtype it holds exactly (bf16 -> float32 is exact, float32 -> bf16 is not), so a
@@ -167,18 +167,19 @@ def fast_16bit(device: Union[str, torch.device], features: Optional[CpuFeatures]
     if f.avx512_bf16 or f.amx_tile:
         which = " and ".join(n for n, ok in (("avx512_bf16", f.avx512_bf16), ("AMX", f.amx_tile)) if ok)
         if f.limited_by:  # the CPU has them, torch may not use them: measure
-            fast = (probe or probe_bf16_cached)()
-            return ((torch.bfloat16,) if fast else ()), \
-                f"{f.capability}, {which} limited by {f.limited_by}, bf16 matmul probe: {'fast' if fast else 'slow'}"
+            return _probed(f"{f.capability}, {which} limited by {f.limited_by}", probe)
         if not f.amx_tile:  # avx512_bf16 alone has been both: measure
-            fast = (probe or probe_bf16_cached)()
-            return ((torch.bfloat16,) if fast else ()), \
-                f"{f.capability} with avx512_bf16 but no AMX, bf16 matmul probe: {'fast' if fast else 'slow'}"
+            return _probed(f"{f.capability} with avx512_bf16 but no AMX", probe)
         return ((torch.bfloat16, torch.float16) if f.amx_fp16 else (torch.bfloat16,)), f"{f.capability} with {which}, fast bf16"
     if f.x86:
         return (), f"{f.capability}, no fast bf16"
+    return _probed(f.capability, probe)
+
+
+def _probed(why: str, probe: Optional[Callable[[], bool]]) -> tuple[tuple[torch.dtype, ...], str]:
+    """bf16 if the (cached) matmul probe finds it fast, and why, in words."""
     fast = (probe or probe_bf16_cached)()
-    return ((torch.bfloat16,) if fast else ()), f"{f.capability}, bf16 matmul probe: {'fast' if fast else 'slow'}"
+    return ((torch.bfloat16,) if fast else ()), f"{why}, bf16 matmul probe: {'fast' if fast else 'slow'}"
 
 
 def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setting: Optional[str] = "auto",

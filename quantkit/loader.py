@@ -119,15 +119,12 @@ def compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype, d
 
 
 def _fits_in_float32(path: Path) -> bool:
-    """Whether the checkpoint's tensors, every float one as float32, fit the memory whole-model loading may
-    take (`runtime.offload.FIT_SHARE` of what is available): from the safetensors headers, nothing read."""
+    """Whether the checkpoint's tensors, every float one as float32, fit in memory by the rule of
+    `--offload auto` (`runtime.offload.choose`): from the safetensors headers, nothing read."""
     from quantkit.memory import available_memory
 
-    available = available_memory()
-    if available is None:
-        return True
     total = offload_mod.in_memory_bytes(LazyCheckpoint(path, lambda name: name), torch.float32, lambda owner: False)
-    return total <= offload_mod.FIT_SHARE * available
+    return not offload_mod.choose("auto", total, available=available_memory()).offloaded
 
 
 def model_config(path: Path, raw: dict):
