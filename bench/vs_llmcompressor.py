@@ -2,6 +2,7 @@
 
 Usage: python bench/vs_llmcompressor.py MODEL gptq|awq --peer-python /path/to/llmc-venv/bin/python
            [--group 64] [--peer-dtypes bfloat16,float32] [--windows 8] [--keep DIR]
+           [--variant OVERRIDES ...]   (quantkit runs, each with comma-separated --set overrides; '' = the recipe)
 Set up the peer once:  python3 -m venv V && V/bin/pip install torch==2.13.0 && V/bin/pip install llmcompressor==0.14.0.1
 
 Both calibrate on the same 64 x 512 tokens of sensesensibility (quantkit's own chunks, handed to
@@ -36,6 +37,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--keep", type=Path, help="Keep the checkpoints here (default: a temporary directory).")
+    parser.add_argument("--variant", action="append", default=None,
+                        help="A quantkit run with these comma-separated overrides (repeatable; '' = the recipe as is), "
+                             "e.g. --variant '' --variant stages.0.args.true_sequential=true")
     args = parser.parse_args()
 
     from quantkit import compute
@@ -63,10 +67,13 @@ def main() -> None:
     token_file.write_text(json.dumps(tokens))
 
     rows = []
-    start = time.perf_counter()
-    report = quantize(str(source), recipe, root / "quantkit", overwrite=True, progress=False)
-    rows.append({"tool": "quantkit", "dtype": report.compute.name, "seconds": time.perf_counter() - start,
-                 "path": report.output})
+    for vi, variant in enumerate(args.variant or [""]):
+        sets = [o for o in variant.split(",") if o]
+        start = time.perf_counter()
+        report = quantize(str(source), load_recipe(name, [f"stages.{stage}.scheme.group_size={args.group}", *sets]),
+                          root / f"quantkit-{vi}", overwrite=True, progress=False)
+        rows.append({"tool": "quantkit", "dtype": report.compute.name, "seconds": time.perf_counter() - start,
+                     "path": report.output, "variant": ",".join(sets) or "recipe as is"})
     for dtype in args.peer_dtypes.split(","):
         out = root / f"llmc-{dtype}"
         cmd = [args.peer_python, str(PEER), "--model", str(source), "--tokens", str(token_file), "--algo", args.algo,
@@ -86,14 +93,14 @@ def main() -> None:
     fastest_peer = min(r["seconds"] for r in rows if r["tool"] != "quantkit")
     best_peer_ppl = min(r["ppl"] for r in rows if r["tool"] != "quantkit")
     print(f"perplexity: float32, {args.windows} x {args.seq_len} tokens of emma; original {base['ppl']:.3f}")
-    print(f"{'tool':<20} {'compute':<9} {'wall s':>8} {'vs fastest peer':>16} {'ppl':>8} {'delta':>8}")
+    print(f"{'tool':<20} {'compute':<9} {'wall s':>8} {'vs fastest peer':>16} {'ppl':>8} {'delta':>8}  variant")
     for r in rows:
         print(f"{r['tool']:<20} {r['dtype']:<9} {r['seconds']:8.1f} {r['seconds'] / fastest_peer:15.2f}x "
-              f"{r['ppl']:8.3f} {r['ppl'] - base['ppl']:+8.3f}")
-    qk = rows[0]
-    print(f"quantkit time / fastest llm-compressor: {qk['seconds'] / fastest_peer:.2f}; "
-          f"ppl delta quantkit {qk['ppl'] - base['ppl']:+.3f} vs best llm-compressor {best_peer_ppl - base['ppl']:+.3f}")
-    for r in rows[1:]:
+              f"{r['ppl']:8.3f} {r['ppl'] - base['ppl']:+8.3f}  {r.get('variant', '')}")
+    for qk in (r for r in rows if r["tool"] == "quantkit"):
+        print(f"quantkit ({qk['variant']}) time / fastest llm-compressor: {qk['seconds'] / fastest_peer:.2f}; "
+              f"ppl delta {qk['ppl'] - base['ppl']:+.3f} vs best llm-compressor {best_peer_ppl - base['ppl']:+.3f}")
+    for r in (r for r in rows if r["tool"] != "quantkit"):
         d = r["detail"]
         print(f"  llm-compressor {r['dtype']}: load {d['load_s']:.1f} s, oneshot {d['oneshot_s']:.1f} s, "
               f"save {d['save_s']:.1f} s (torch {d['torch']}, {d['threads']} threads)")

@@ -2,8 +2,9 @@
 
 For each decoder layer: run the calibration batches through it with the stages' hooks (only
 if a stage needs data), let each stage quantize its targeted linears, swap them for quantized
-modules, then run the *quantized* layer to produce the next layer's inputs. Beyond the model,
-memory holds one layer's inputs for all calibration batches.
+modules, then run the *quantized* layer to produce the next layer's inputs. A true-sequential stage
+does both in one lock-step forward (`calibration.lockstep`), each group quantized as the batches reach
+it. Beyond the model, memory holds one layer's inputs for all calibration batches.
 
 On an accelerator (`device`), only the layer being quantized, the calibration activations and the
 solvers' state live on it: the model stays on the CPU (or on disk, with a layer store) and each
@@ -29,6 +30,7 @@ from quantkit.arch.adapter import ArchitectureAdapter
 from quantkit.arch.moe import all_experts_see_tokens
 from quantkit.calibration.activations import Activations
 from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, observe_layer, run_layer
+from quantkit.calibration.lockstep import drive_in_lockstep
 from quantkit.errors import QuantizationError
 from quantkit.catalog import checkpoint_namer, format_for
 from quantkit.formats.base import QuantFormat
@@ -138,7 +140,31 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
     for stage in stages:
         if stage.algorithm.kind == "transform":
             _assign_later_schemes(stage, stages, claimed)
+    _check_true_sequential(stages, layers_prefix)
     return stages
+
+
+def _layer_of(name: str, layers_prefix: str) -> str:
+    return name[len(layers_prefix):].split(".", 1)[0]
+
+
+def _check_true_sequential(stages: list[Stage], layers_prefix: str) -> None:
+    """A true-sequential stage's single forward makes the next layer's inputs, so no later stage may change
+    weights (quantize or transform) in a layer it quantizes."""
+    for i, stage in enumerate(stages):
+        if not stage.algorithm.true_sequential():
+            continue
+        mine = {_layer_of(n, layers_prefix) for n in stage.modules}
+        for later in stages[i + 1:]:
+            if later.algorithm.kind == "attention":
+                continue
+            shared = sorted({_layer_of(n, layers_prefix) for n in later.modules} & mine, key=int)
+            if shared:
+                raise QuantizationError(
+                    f"stage {stage.index} ({stage.spec.algorithm}) is true-sequential, but stage {later.index} "
+                    f"({later.spec.algorithm}) changes weights after it in decoder layer {shared[0]}: its single "
+                    f"forward would hand the next layer stale inputs; move stage {stage.index} last, or set "
+                    f"stages.{stage.index}.args.true_sequential=false")
 
 
 def _observes_attention(stage: Stage) -> bool:
@@ -300,9 +326,16 @@ def quantize_model(
             with result.phase("load layer"):
                 layers[li].to(device)
         packed: dict[str, nn.Module] = {}
+        following = None  # the next layer's inputs, when a true-sequential pass made them
         for stage in stages:
             names = [n for n in stage.modules if n.startswith(prefix)]
-            if names:
+            if not names:
+                continue
+            if inputs is not None and stage.algorithm.true_sequential():
+                made, following = _run_stage_lockstep(model, layers[li], li, stage, names, adapter, inputs,
+                                                      scale_dtype, result, notes, last=li == len(layers) - 1)
+                packed.update(made)
+            else:
                 packed.update(_run_stage(model, layers[li], li, stage, names, adapter, inputs, scale_dtype, result, notes))
         for stage in filter(_observes_attention, stages):  # after the weights: K/V as the quantized layer makes them
             with result.phase(f"{stage.spec.algorithm}: calibrate"):
@@ -310,7 +343,11 @@ def quantize_model(
                                                          inputs.kwargs[li], scale_dtype)
             result.kv_scales.append({"layer": li, **report})
             result.kv_cache_scheme = stage.algorithm.scheme_config()
-        if inputs is not None and li < len(layers) - 1:
+        if following is not None:
+            inputs.hidden.clear()  # the pass made the next layer's inputs (the last stage to change weights)
+            inputs.hidden = following
+            inputs.kwargs[li] = []
+        elif inputs is not None and li < len(layers) - 1:
             with result.phase("forward quantized layer (next inputs)"):
                 # this layer's inputs are released as the next layer's are made: one budget for both
                 inputs.hidden = run_layer(layers[li], inputs.hidden.drain(), inputs.kwargs[li],
@@ -353,13 +390,7 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
             notes.setdefault(name, {}).update(note)
         algorithm.report.clear()
         return {}
-    scheme_of = {n: stage.scheme_of(n) for n in names}
-    groups = _by_scheme(groups, scheme_of)
-    algorithm.begin_layer(linears, groups)
-    # one algorithm per scheme (layers with a fallback group size, a mixture): views sharing the statistics,
-    # made before any of them quantizes (an algorithm may drop its statistics when it is done)
-    algorithms = {sc: algorithm if sc == algorithm.scheme else algorithm.for_scheme(sc)
-                  for sc in dict.fromkeys(scheme_of.values())}
+    scheme_of, groups, algorithms = _begin_weights(stage, linears, groups)
     if algorithm.needs_data():
         observe_time = [0.0]
 
@@ -380,6 +411,67 @@ def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, i
             quantized.update(algo.quantize_layer({n: linears[n] for g in part for n in g}, part, scale_dtype))
     with result.phase("pack and report"):
         return _pack(stage, linears, quantized, notes, result)
+
+
+def _begin_weights(stage: Stage, linears: dict[str, nn.Module], groups: list[list[str]]):
+    """A quantizing stage's start on one layer: each linear's scheme, the input-sharing groups split by scheme,
+    `begin_layer` called, and one algorithm per scheme (layers with a fallback group size, a mixture): views
+    sharing the statistics, made before any of them quantizes (an algorithm may drop its statistics when done)."""
+    algorithm = stage.algorithm
+    scheme_of = {n: stage.scheme_of(n) for n in linears}
+    groups = _by_scheme(groups, scheme_of)
+    algorithm.begin_layer(linears, groups)
+    algorithms = {sc: algorithm if sc == algorithm.scheme else algorithm.for_scheme(sc)
+                  for sc in dict.fromkeys(scheme_of.values())}
+    return scheme_of, groups, algorithms
+
+
+def _run_stage_lockstep(model, layer, li: int, stage: Stage, names: list[str], adapter, inputs: LayerInputs,
+                        scale_dtype: torch.dtype, result: QuantizationResult, notes: dict[str, dict],
+                        last: bool) -> tuple[dict[str, nn.Module], Optional[Activations]]:
+    """Run a true-sequential stage on one layer in a single lock-step forward (`calibration.lockstep`):
+    each input-sharing group is quantized once every batch has reached it, on the inputs the layer makes
+    with the groups before it quantized. Returns the packed modules and the layer's outputs over the
+    batches (the next layer's inputs; None for the last layer): no second forward is needed."""
+    linears = {n: model.get_submodule(n) for n in names}
+    algorithm = stage.algorithm
+    scheme_of, groups, algorithms = _begin_weights(stage, linears, _groups(names, adapter, f"{adapter.layers_path}.{li}."))
+    packed: dict[str, nn.Module] = {}
+    side = {"observe": 0.0, "quantize": 0.0, "pack": 0.0}
+
+    def on_input(g: int, x: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        for name in groups[g]:  # the group's linears read this one input
+            algorithm.observe(name, x)
+        side["observe"] += time.perf_counter() - t0
+
+    def at_group(g: int) -> None:
+        group = groups[g]
+        t0 = time.perf_counter()
+        quantized = algorithms[scheme_of[group[0]]].quantize_layer({n: linears[n] for n in group}, [group], scale_dtype)
+        t1 = time.perf_counter()
+        packed.update(_pack(stage, {n: linears[n] for n in group}, quantized, notes, result))
+        side["quantize"] += t1 - t0
+        side["pack"] += time.perf_counter() - t1
+
+    outputs = None if last else inputs.hidden.successor()
+    label = f"{stage.spec.algorithm}: true-sequential forward"
+    # on a CPU the batches compute side by side, one intra-op thread each where there are enough of them:
+    # several multi-threaded OpenMP teams at once make every team sleep between parallel regions, and the
+    # solver's per-column steps were then 5x slower; an accelerator takes one batch at a time
+    threads = torch.get_num_threads()
+    on_cpu = next(iter(linears.values())).weight.device.type == "cpu"
+    parallel = max(1, min(threads, len(inputs.hidden))) if on_cpu else 1
+    with result.phase(label), all_experts_see_tokens(layer):
+        drive_in_lockstep(layer, inputs.hidden, inputs.kwargs[li], [[linears[n] for n in g] for g in groups],
+                          on_input, at_group, outputs=outputs, names=[", ".join(g) for g in groups],
+                          parallel=parallel, threads_each=max(1, threads // parallel))
+    # the forward's phase less what its hooks did, each charged to its own phase
+    result.add_seconds(label, -sum(side.values()))
+    result.add_seconds(f"{stage.spec.algorithm}: observe (statistics)", side["observe"])
+    result.add_seconds(f"{stage.spec.algorithm}: quantize", side["quantize"])
+    result.add_seconds("pack and report", side["pack"])
+    return packed, outputs
 
 
 def _pack(stage: Stage, linears: dict[str, nn.Module], quantized: dict, notes: dict[str, dict],

@@ -10,7 +10,7 @@ then the larger of
   activation budget) + the working set of the stage that needs most: round-to-nearest's float32
   copies of the largest linear and the layer's codes; GPTQ's Hessians not yet solved and one group's
   solve (one n^2 copy, `quant.gptq.inverse_hessian_factor`, and its stacked weight); AWQ's recorded
-  inputs and clip Hessians.
+  inputs and clip Hessians; a true-sequential stage adds every batch's forward in flight at once.
 The NaN scan of the source, before the work, is a peak of its own. On an accelerator the layer-phase
 terms are on the device and the host keeps the layer while it loads. Every constant is measured
 (RSS sampled every 5 ms through runs on SmolLM2, Gemma, tiny models and an 8B-shaped model).
@@ -216,7 +216,8 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
         codes = sum(m.weight.numel() for m in linears.values()) * (1 + bits / 8)  # int8 codes + packed words
         work = int(largest * (4 + (4 if itemsize < 4 else 0) + itemsize) + codes)  # float32 copies, dequantized
     extra = max((_stage_extra(s, linears, adapter, cal, tokens, config.hidden_size) for s in stages), default=0)
-    layer_phase = layer_params * itemsize + act_held + work + extra
+    in_flight = _lockstep_bytes(stages, linears, adapter, int(tokens * share), config.hidden_size, itemsize)
+    layer_phase = layer_params * itemsize + act_held + work + extra + in_flight
     base = BASE_PROCESS_BYTES + (CALIBRATION_PROCESS_BYTES + TOKENIZER_MEMORY_PER_FILE_BYTE * tokenizer_bytes
                                  if calibrates else 0)
     largest_source = max((t.numel() * (storage_dtype.itemsize if t.is_floating_point() else t.element_size())
@@ -225,6 +226,8 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
     outside_cost = outside + min(outside, OUTSIDE_TEMP_BYTES)
     breakdown = {"process": base, "layer": layer_params * itemsize, "activations": act_held,
                  "quantize": work, "solver": extra}
+    if in_flight:
+        breakdown["batches in flight"] = in_flight  # a true-sequential pass (`calibration.lockstep`)
     if device.type == "cpu":  # every rank on this host
         host = nproc * max(scan, base + max(outside_cost, layer_phase))
         dev = 0
@@ -287,9 +290,11 @@ def _stage_extra(stage: Stage, linears: dict[str, nn.Module], adapter, cal, toke
         # solving group k: the Hessians of groups k and later (earlier ones are freed; group k's own waits on
         # disk when it is at least park_hessian_bytes), one n_k^2 copy that is factorized and inverted in
         # place, and the float32 working copy of the group's stacked weight
+        # (true-sequential: the later groups' Hessians are not summed yet when group k is solved)
         limit = getattr(stage.algorithm.config, "park_hessian_bytes", None)
         parked = [limit is not None and 4 * n * n >= limit for n in widths]
-        return max(sum(4 * n * n for n in widths[k + 1:]) + (0 if parked[k] else 4 * widths[k] ** 2)
+        later = (lambda k: 0) if stage.algorithm.true_sequential() else (lambda k: sum(4 * n * n for n in widths[k + 1:]))
+        return max(later(k) + (0 if parked[k] else 4 * widths[k] ** 2)
                    + 4 * widths[k] ** 2 + 4 * widths[k] * sum(m.out_features for m in groups[k])
                    for k in range(len(groups)))
     if name == "awq":
@@ -298,6 +303,16 @@ def _stage_extra(stage: Stage, linears: dict[str, nn.Module], adapter, cal, toke
         clip = sum(4 * n * n for n in widths) if stage.algorithm.config.clip else 0
         return recorded + clip
     return 0
+
+
+def _lockstep_bytes(stages, linears: dict[str, nn.Module], adapter, tokens: int, hidden: int, itemsize: int) -> int:
+    """A true-sequential stage's single forward holds every batch's forward in flight at once
+    (`calibration.lockstep`): per token about the residual, the block's input and the widest group
+    input (an MLP intermediate), beyond the activations; these never spill."""
+    if not any(s.algorithm.needs_data() and s.algorithm.true_sequential() for s in stages):
+        return 0
+    widths = [g[0].in_features for g in _groups_of(linears, adapter)]
+    return tokens * (2 * hidden + max(widths, default=hidden)) * itemsize
 
 
 def _estimate(stages, adapter, layers, linears, tokens, source_bytes, quantized_params, tp: Optional[Throughput], cal,
@@ -313,7 +328,8 @@ def _estimate(stages, adapter, layers, linears, tokens, source_bytes, quantized_
         if not stage.algorithm.needs_data():
             continue
         forward = 2 * layer_params * tokens * n_layers  # one layer forward over all calibration tokens
-        seconds += 2 * forward / tp.matmul_flops  # calibration forward + next-inputs forward
+        # calibration forward + next-inputs forward; one lock-step forward for a true-sequential stage
+        seconds += (1 if stage.algorithm.true_sequential() else 2) * forward / tp.matmul_flops
         if name == "gptq":
             per_layer = 0.0
             for g in _groups_of(linears, adapter):

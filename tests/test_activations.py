@@ -84,20 +84,43 @@ def test_quantize_with_activations_on_disk_writes_the_same_files(recipe, overrid
     assert none["spilled_bytes"] == 0
 
 
-def test_interrupted_run_removes_its_scratch_directory(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["two-pass", "true-sequential"])
+def test_interrupted_run_removes_its_scratch_directory(mode, tiny_llama, tmp_path, monkeypatch):
+    """Stopped in the second layer's forward (two-pass), or in the middle of its lock-step pass, at the second
+    group's solve, with the batches' threads parked (true-sequential)."""
     calls = []
+    if mode == "two-pass":
+        def stop(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:  # the second layer's forward: activations are on disk by now
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
 
-    def stop(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:  # the second layer's forward: activations are on disk by now
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        real, target = pipeline.run_layer, "run_layer"
+    else:
+        def stop(layer, hidden, kwargs, groups, on_input, at_group, **kw):
+            calls.append(1)
+            solves = []
 
-    real = pipeline.run_layer
-    monkeypatch.setattr(pipeline, "run_layer", stop)
+            def interrupted(g):
+                solves.append(g)
+                if len(calls) == 2 and len(solves) == 2:
+                    raise KeyboardInterrupt
+                return at_group(g)
+
+            return real(layer, hidden, kwargs, groups, on_input, interrupted, **kw)
+
+        real, target = pipeline.drive_in_lockstep, "drive_in_lockstep"
+    monkeypatch.setattr(pipeline, target, stop)
     with pytest.raises(KeyboardInterrupt):
-        quantize(str(tiny_llama), load_recipe("gptq-w4a16", ["stages.0.scheme.group_size=32"] + SMALL),
+        quantize(str(tiny_llama), load_recipe("gptq-w4a16", ["stages.0.scheme.group_size=32",
+                                                            f"stages.0.args.true_sequential={mode != 'two-pass'}"]
+                                              + SMALL),
                  tmp_path / "out", progress=False, activation_budget_bytes=0)
+    if mode != "two-pass":
+        from quantkit.calibration.lockstep import busy_workers
+
+        assert busy_workers() == 0  # every batch's forward unwound
     assert len(calls) == 2
     # the scratch directory is gone; what stays is the stopped run's resumable state (`quantkit.resume`)
     assert not (tmp_path / "out").exists() and [w.kind for w in find_work_dirs(tmp_path)] == ["run"]

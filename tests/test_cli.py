@@ -97,5 +97,5 @@ def test_quantize_reports_peak_memory_and_where_the_time_went(run, tiny_llama, t
     assert " GB resident; time: " in line and "gptq: " in line
     meta = json.loads((out / "quantkit.json").read_text())
     assert meta["peak_rss_bytes"] > 1e8 and meta["load"] == "layers"
-    assert {"load layer", "gptq: calibration forward", "gptq: quantize", "write layer"} <= set(meta["timings"])
+    assert {"load layer", "gptq: true-sequential forward", "gptq: quantize", "write layer"} <= set(meta["timings"])
     assert all(v >= 0 for v in meta["timings"].values())

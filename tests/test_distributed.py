@@ -33,6 +33,7 @@ from quantkit.recipe import load_recipe
 SMALL = ["calibration.num_samples=16", "calibration.seq_len=64", "calibration.batch_size=2"]
 RECIPES = {
     "gptq": ("gptq-w4a16", ["stages.0.scheme.group_size=32", *SMALL]),
+    "gptq-two-pass": ("gptq-w4a16", ["stages.0.scheme.group_size=32", "stages.0.args.true_sequential=false", *SMALL]),
     "awq": ("awq-w4a16", ["stages.1.scheme.group_size=32", *SMALL]),
     "fp8-static": ("fp8-static", SMALL),
 }
@@ -104,7 +105,7 @@ def two_ranks(tiny_llama, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("key", ["gptq", "awq", "fp8-static"])
+@pytest.mark.parametrize("key", ["gptq", "gptq-two-pass", "awq", "fp8-static"])
 def test_two_ranks_match_one_process(key, tiny_llama, single, two_ranks):
     out, res = two_ranks(key)
     assert "distributed: 2 ranks (gloo)" in res.stderr and res.stderr.count("Quantized") <= 1
@@ -152,7 +153,9 @@ def test_two_rank_runs_repeat_bit_for_bit_and_nproc_launches_them(tiny_llama, tw
 
 
 def _rank1_script(rank1_action: str, args: list[str]) -> str:
-    """A quantize run (`args`) whose rank 1 does `rank1_action` when it reaches layer 0."""
+    """A quantize run (`args`) whose rank 1 does `rank1_action` in layer 0: in a two-pass run when it makes
+    the next inputs, in a true-sequential one at its second group's solve (its batches parked, the first
+    group's collectives done)."""
     return f"""
 import os, signal, sys, time
 from quantkit import pipeline
@@ -162,6 +165,16 @@ def run_layer(*a, **k):
         {rank1_action}
     return real(*a, **k)
 pipeline.run_layer = run_layer
+real_lockstep = pipeline.drive_in_lockstep
+def drive_in_lockstep(layer, hidden, kwargs, groups, on_input, at_group, **k):
+    solves = []
+    def at(g):
+        solves.append(g)
+        if os.environ["RANK"] == "1" and len(solves) == 2:
+            {rank1_action}
+        return at_group(g)
+    return real_lockstep(layer, hidden, kwargs, groups, on_input, at, **k)
+pipeline.drive_in_lockstep = drive_in_lockstep
 sys.argv = ["quantkit"] + {args!r}
 from quantkit.cli import run
 run()

@@ -25,6 +25,7 @@ SMALL = ["calibration.num_samples=4", "calibration.seq_len=32", "calibration.bat
 RECIPES = {
     "rtn": ("rtn-w4a16", ["stages.0.scheme.group_size=32"]),
     "gptq": ("gptq-w4a16", ["stages.0.scheme.group_size=32"] + SMALL),
+    "gptq-two-pass": ("gptq-w4a16", ["stages.0.scheme.group_size=32", "stages.0.args.true_sequential=false"] + SMALL),
     "awq": ("awq-w4a16", ["stages.1.scheme.group_size=32"] + SMALL),
     "fp8-static-kv": ("fp8-static-kv", SMALL),  # fp8 stage with static input scales, then the kv_cache stage
     "gptq-fp8": ("gptq-fp8-dynamic", SMALL),

@@ -53,16 +53,30 @@ def test_gptq_plan_accounts_for_the_hessians(config_only):
     recipe = load_recipe("gptq-w4a16", ["calibration.num_samples=16", "calibration.seq_len=256"])
     p = plan(str(config_only), recipe, device="cpu", measure=False, activation_budget_bytes=10**12)
     assert p.activation_bytes == 16 * 256 * 4096 * torch.tensor([], dtype=getattr(torch, p.compute_dtype)).element_size()
-    # the down projection's Hessian (822 MB) waits on disk while it is solved (park_hessian_bytes): the worst
-    # moment is now solving gate/up, with the down projection's Hessian, gate/up's and one copy of it, and
-    # gate/up's stacked weight (it was down's solve, with its Hessian and a copy: 2 * 4 * 14336^2 + ...)
-    assert p.breakdown["solver"] == 4 * 14336**2 + 2 * 4 * 4096**2 + 4 * 4096 * 2 * 14336
+    # true-sequential (the recipe's): when a group is solved the later groups' Hessians do not exist yet; the
+    # down projection's Hessian (822 MB) waits on disk while it is solved (park_hessian_bytes), so the worst
+    # moment is down's solve: one copy of its Hessian and its weight in float32
+    assert p.breakdown["solver"] == 4 * 14336**2 + 4 * 14336 * 4096
+    two_pass = plan(str(config_only), load_recipe("gptq-w4a16", ["calibration.num_samples=16", "calibration.seq_len=256",
+                                                                 "stages.0.args.true_sequential=false"]),
+                    device="cpu", measure=False, activation_budget_bytes=10**12)
+    # two passes: every Hessian is summed before the first solve; the worst moment is solving gate/up, with the
+    # down projection's Hessian, gate/up's and one copy of it, and gate/up's stacked weight (it was down's solve,
+    # with its Hessian and a copy: 2 * 4 * 14336^2 + ..., before down's Hessian waited on disk)
+    assert two_pass.breakdown["solver"] == 4 * 14336**2 + 2 * 4 * 4096**2 + 4 * 4096 * 2 * 14336
     kept = plan(str(config_only), load_recipe("gptq-w4a16", ["calibration.num_samples=16", "calibration.seq_len=256",
                                                              "stages.0.args.park_hessian_bytes=null"]),
                 device="cpu", measure=False, activation_budget_bytes=10**12)
     assert kept.breakdown["solver"] == 2 * 4 * 14336**2 + 4 * 14336 * 4096
     rtn = plan(str(config_only), load_recipe("rtn-w4a16"), device="cpu", measure=False)
     assert p.peak_host_bytes > rtn.peak_host_bytes
+    # the recipe's true-sequential pass holds every batch's forward at once: about the residual, the block's
+    # input and the widest group input (down_proj's, the MLP intermediate) per token; the two-pass form does not
+    item = torch.tensor([], dtype=getattr(torch, p.compute_dtype)).element_size()
+    assert p.breakdown["batches in flight"] == 16 * 256 * (2 * 4096 + 14336) * item
+    assert "batches in flight" not in two_pass.breakdown
+    assert (p.peak_host_bytes - two_pass.peak_host_bytes
+            == p.breakdown["batches in flight"] + p.breakdown["solver"] - two_pass.breakdown["solver"])
 
 
 def test_plan_json_and_cli(config_only, tmp_path):

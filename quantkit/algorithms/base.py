@@ -84,6 +84,13 @@ class Algorithm(ABC):
         """Whether this stage needs calibration data (for its scheme)."""
         return self.needs_calibration
 
+    def true_sequential(self) -> bool:
+        """Whether each input-sharing group is to be calibrated on the inputs the layer makes with the groups
+        before it already quantized (one lock-step forward per layer, `calibration.lockstep`): then `observe`
+        sees only the inputs of groups not yet quantized, and `quantize_layer` is called once per group, in
+        the order the layer reaches them."""
+        return False
+
     def __init__(self, config: AlgorithmConfig, scheme: Optional[QuantScheme]):
         self.config = config
         self.scheme = scheme

@@ -46,6 +46,11 @@ class GPTQConfig(AlgorithmConfig):
     # so that the solver's copy is the only n x n matrix in memory (an 8B down_proj's is 822 MB); null: never
     park_hessian_bytes: Optional[int] = Field(256 << 20, ge=0)
     seed: int = 0
+    # each linear group calibrated on the inputs the layer makes with the groups before it already quantized
+    # (q/k/v, then o_proj on quantized attention, gate/up, then down_proj on their quantized output), in one
+    # forward per layer that also makes the next layer's inputs; off: every group on the float layer's inputs,
+    # then a second forward with the quantized weights (llm-compressor's way)
+    true_sequential: bool = False
 
 
 @ALGORITHMS.register("gptq")
@@ -62,6 +67,9 @@ class GPTQ(Algorithm):
         if config.scale_search and getattr(scheme, "grid", None) not in ("q4_0", "q4_k_m") and not ggml.is_block_grid(scheme):
             raise RecipeError("gptq: scale_search is for GGUF's Q4_0, Q5_0, Q4_K, Q6_K grids (scheme: Q4_0, Q4_K_M, ...)")
         self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed) if scheme.is_fp8 else None
+
+    def true_sequential(self) -> bool:
+        return self.config.true_sequential
 
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
         self._leader = {name: group[0] for group in groups for name in group}
@@ -94,7 +102,6 @@ class GPTQ(Algorithm):
             result, report = self._solve_group(linears, group, acc, scale_dtype, input_scale)
             out.update(result)
             self.report.update(report)
-        self._H = {}
         return out
 
     def _solve_group(self, linears: dict[str, nn.Linear], group: list[str], acc: HessianAccumulator,
@@ -162,7 +169,6 @@ class GPTQ(Algorithm):
             result, report = world.broadcast_object(mine.get(gi), owners[gi], f"GPTQ {group[0]}: solved weights")
             out.update({n: _to_device(q, device) for n, q in result.items()})
             self.report.update(report)
-        self._H = {}
         return out
 
     def _nearest(self, W: torch.Tensor, scale_dtype: torch.dtype) -> "QuantizedWeight | Fp8Weight | ggml.GGMLWeight":
