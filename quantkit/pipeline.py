@@ -456,16 +456,9 @@ def _run_stage_lockstep(model, layer, li: int, stage: Stage, names: list[str], a
 
     outputs = None if last else inputs.hidden.successor()
     label = f"{stage.spec.algorithm}: true-sequential forward"
-    # on a CPU the batches compute side by side, one intra-op thread each where there are enough of them:
-    # several multi-threaded OpenMP teams at once make every team sleep between parallel regions, and the
-    # solver's per-column steps were then 5x slower; an accelerator takes one batch at a time
-    threads = torch.get_num_threads()
-    on_cpu = next(iter(linears.values())).weight.device.type == "cpu"
-    parallel = max(1, min(threads, len(inputs.hidden))) if on_cpu else 1
     with result.phase(label), all_experts_see_tokens(layer):
         drive_in_lockstep(layer, inputs.hidden, inputs.kwargs[li], [[linears[n] for n in g] for g in groups],
-                          on_input, at_group, outputs=outputs, names=[", ".join(g) for g in groups],
-                          parallel=parallel, threads_each=max(1, threads // parallel))
+                          on_input, at_group, outputs=outputs, names=[", ".join(g) for g in groups])
     # the forward's phase less what its hooks did, each charged to its own phase
     result.add_seconds(label, -sum(side.values()))
     result.add_seconds(f"{stage.spec.algorithm}: observe (statistics)", side["observe"])

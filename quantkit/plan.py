@@ -293,8 +293,9 @@ def _stage_extra(stage: Stage, linears: dict[str, nn.Module], adapter, cal, toke
         # (true-sequential: the later groups' Hessians are not summed yet when group k is solved)
         limit = getattr(stage.algorithm.config, "park_hessian_bytes", None)
         parked = [limit is not None and 4 * n * n >= limit for n in widths]
-        later = (lambda k: 0) if stage.algorithm.true_sequential() else (lambda k: sum(4 * n * n for n in widths[k + 1:]))
-        return max(later(k) + (0 if parked[k] else 4 * widths[k] ** 2)
+        one_by_one = stage.algorithm.true_sequential()
+        return max((0 if one_by_one else sum(4 * n * n for n in widths[k + 1:]))
+                   + (0 if parked[k] else 4 * widths[k] ** 2)
                    + 4 * widths[k] ** 2 + 4 * widths[k] * sum(m.out_features for m in groups[k])
                    for k in range(len(groups)))
     if name == "awq":

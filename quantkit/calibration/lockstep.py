@@ -98,7 +98,7 @@ def drive_in_lockstep(
     at_group: Callable[[int], None],
     outputs: Optional[list] = None,
     names: Optional[Sequence[str]] = None,
-    parallel: int = 1,
+    parallel: Optional[int] = None,
     threads_each: Optional[int] = None,
 ) -> Optional[list]:
     """Run `layer` on every (hidden, kwargs) batch, pausing all of them before each group of `groups`.
@@ -109,7 +109,8 @@ def drive_in_lockstep(
     it now; the batches then run on with its new weights. outputs: a list (or an `Activations`) the layer's
     outputs are appended to in batch order, and returned. names: each group's name, for errors.
     parallel: how many batches compute at once between stops, each on `threads_each` intra-op threads
-    (default: the caller's). Statistics and results do not depend on it beyond the float order of the
+    (default: `_lanes`, one batch per intra-op thread on a CPU, one at a time on an accelerator).
+    Statistics and results do not depend on it beyond the float order of the
     batches' own ops; the observations are made in batch order whatever the batches' timing.
     A batch that reaches a group after it was quantized (the layer calls its linears in an order that
     differs between batches) is an error, never statistics missing a batch.
@@ -121,13 +122,22 @@ def drive_in_lockstep(
     running = [0]
     abort = [False]
     local = threading.local()
+    if parallel is None:
+        parallel, threads_each = _lanes(groups, hidden)
     threads = threads_each or torch.get_num_threads()
 
     def hand_back(batch: _Batch, state: str) -> None:
+        """The batch stops running (parked, or ended); parking is refused once the pass is abandoned, under the
+        same lock as the cleanup's look at the states, so no batch is ever parked unseen by it."""
         with cv:
+            if state == "parked" and abort[0]:
+                raise _Abort
             batch.state = state
             running[0] -= 1
             cv.notify_all()
+
+    def label(g: int) -> str:
+        return names[g] if names else f"group {g}"
 
     def park(module: nn.Module, args: tuple) -> None:
         if abort[0]:
@@ -137,18 +147,13 @@ def drive_in_lockstep(
         if g in batch.seen:
             return  # this batch gave the group its input at the group's first linear; the rest read the same
         if g in done:
-            label = names[g] if names else f"group {g}"
             raise QuantizationError(
-                f"calibration batch {batch.index} reached {label} after it was quantized: this layer calls its "
+                f"calibration batch {batch.index} reached {label(g)} after it was quantized: this layer calls its "
                 "linears in an order that differs between batches, which a single true-sequential pass cannot "
                 "follow; set true_sequential: false for this stage")
         batch.seen.add(g)
-        with cv:  # parked, or unwinding if the pass was abandoned meanwhile: never parked unseen by the cleanup
-            if abort[0]:
-                raise _Abort
-            batch.group, batch.pending, batch.state = g, args[0], "parked"
-            running[0] -= 1
-            cv.notify_all()
+        batch.group, batch.pending = g, args[0]
+        hand_back(batch, "parked")
         batch.go.wait()
         batch.go.clear()
         if abort[0]:
@@ -197,6 +202,14 @@ def drive_in_lockstep(
     batches: list[_Batch] = []
     emitted = 0
 
+    def flush(emitted: int) -> int:
+        """Finished batches' outputs, in order, as soon as every earlier batch has finished; how many are out."""
+        while outputs is not None and emitted < len(batches) and batches[emitted].state == "done":
+            outputs.append(batches[emitted].output)
+            batches[emitted].output = None
+            emitted += 1
+        return emitted
+
     def fresh() -> Iterable[_Batch]:
         for i, h in enumerate(hidden):  # read (a spilled batch: from disk) only when its turn comes
             batch = _Batch(i, threading.Event(), hidden=h)
@@ -220,19 +233,11 @@ def drive_in_lockstep(
             at_group(g)
             done.add(g)
             run(waiting)
-            if outputs is not None:  # finished batches, in order, as soon as every earlier one has finished
-                while emitted < len(batches) and batches[emitted].state == "done":
-                    outputs.append(batches[emitted].output)
-                    batches[emitted].output = None
-                    emitted += 1
-        if outputs is not None:
-            for b in batches[emitted:]:
-                outputs.append(b.output)
-                b.output = None
+            emitted = flush(emitted)
+        flush(emitted)
         missing = [g for g in range(len(groups)) if g not in done]
         if batches and missing:
-            label = names[missing[0]] if names else f"group {missing[0]}"
-            raise QuantizationError(f"no calibration batch reached {label} in this layer's forward")
+            raise QuantizationError(f"no calibration batch reached {label(missing[0])} in this layer's forward")
     finally:
         with cv:
             abort[0] = True
@@ -245,3 +250,17 @@ def drive_in_lockstep(
             handle.remove()
     return outputs
 
+
+def _lanes(groups: Sequence[Sequence[nn.Module]], hidden: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """(batches computing at once, intra-op threads each). On a CPU one batch per intra-op thread (no more
+    than there are batches): several multi-threaded OpenMP teams alive at once make every team sleep between
+    parallel regions, and GPTQ's per-column solver steps, run by the caller between stops, were then 5x
+    slower. On an accelerator one batch at a time, on the caller's threads."""
+    threads = torch.get_num_threads()
+    first = next((m for group in groups for m in group), None)
+    weight = getattr(first, "weight", None)
+    if weight is not None and weight.device.type != "cpu":
+        return 1, threads
+    batches = len(hidden) if hasattr(hidden, "__len__") else threads
+    parallel = max(1, min(threads, batches))
+    return parallel, max(1, threads // parallel)
