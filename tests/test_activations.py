@@ -118,9 +118,9 @@ def test_interrupted_run_removes_its_scratch_directory(mode, tiny_llama, tmp_pat
                                               + SMALL),
                  tmp_path / "out", progress=False, activation_budget_bytes=0)
     if mode != "two-pass":
-        from quantkit.calibration.lockstep import busy_workers
+        from quantkit.calibration.lockstep import live_batches
 
-        assert busy_workers() == 0  # every batch's forward unwound
+        assert live_batches() == 0  # every batch's forward unwound
     assert len(calls) == 2
     # the scratch directory is gone; what stays is the stopped run's resumable state (`quantkit.resume`)
     assert not (tmp_path / "out").exists() and [w.kind for w in find_work_dirs(tmp_path)] == ["run"]

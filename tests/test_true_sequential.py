@@ -1,17 +1,20 @@
 """True-sequential quantization in one lock-step forward per layer (`calibration.lockstep`): each linear
 group is calibrated on exactly what the finished quantized model feeds it, the batches pause and go on
-in order, failures end the pass without a hung thread, and GPTQ's option runs end to end."""
+in order on the caller's thread, failures end the pass with every parked forward unwound, and GPTQ's option
+runs end to end."""
 
 from __future__ import annotations
 
 from typing import ClassVar
+
+import threading
 
 import pytest
 import torch
 from torch import nn
 
 from quantkit.algorithms.rtn import RTN
-from quantkit.calibration.lockstep import busy_workers, drive_in_lockstep
+from quantkit.calibration.lockstep import drive_in_lockstep, live_batches
 from quantkit.errors import QuantizationError
 from quantkit.registry import ALGORITHMS
 
@@ -30,15 +33,12 @@ class Chain(nn.Module):
         return (self.c(self.b(torch.relu(self.a(x))) * scale),)
 
 
-def _batch_threads() -> int:
-    """Lock-step workers still running a batch's forward (idle ones wait for the next pass)."""
-    return busy_workers()
-
-
-@pytest.mark.parametrize("parallel", [1, 3])
-def test_every_batch_reaches_a_group_before_it_changes_and_outputs_keep_their_order(parallel):
-    """Whether the batches compute one at a time or side by side, the inputs are handed over in batch order."""
+def test_every_batch_reaches_a_group_before_it_changes_and_outputs_keep_their_order():
+    """The inputs are handed over in batch order, every forward and callback on the caller's thread (no
+    thread of its own: a worker thread's OpenMP team slows the caller's solves)."""
     chain = Chain()
+    threads = set()
+    chain.a.register_forward_hook(lambda *a: threads.add(threading.get_ident()))
     xs = [torch.randn(3, 4) for _ in range(4)]
     kwargs = [{"scale": float(i + 1)} for i in range(4)]
     events, seen = [], {0: [], 1: [], 2: []}
@@ -46,14 +46,16 @@ def test_every_batch_reaches_a_group_before_it_changes_and_outputs_keep_their_or
     def on_input(g, x):
         events.append(("input", g))
         seen[g].append(x.clone())
+        threads.add(threading.get_ident())
 
     def at_group(g):
         events.append(("quantize", g))
+        threads.add(threading.get_ident())
         module = [chain.a, chain.b, chain.c][g]
         module.weight.data = module.weight.data.round()  # "quantized": the later groups must see it
 
-    out = drive_in_lockstep(chain, xs, kwargs, [[chain.a], [chain.b], [chain.c]], on_input, at_group, outputs=[],
-                            parallel=parallel, threads_each=1)
+    out = drive_in_lockstep(chain, xs, kwargs, [[chain.a], [chain.b], [chain.c]], on_input, at_group, outputs=[])
+    assert threads == {threading.get_ident()}
     # all four batches give group g its input, then g is quantized, then the next group
     assert events == [e for g in range(3) for e in [("input", g)] * 4 + [("quantize", g)]]
     # the rounded model (what is left at the end) computes the same outputs, and feeds each group what it saw
@@ -62,7 +64,7 @@ def test_every_batch_reaches_a_group_before_it_changes_and_outputs_keep_their_or
             torch.testing.assert_close(out[i], chain(x, scale=kwargs[i]["scale"])[0], rtol=0, atol=0)
             torch.testing.assert_close(seen[1][i], torch.relu(chain.a(x)), rtol=0, atol=0)
             torch.testing.assert_close(seen[2][i], chain.b(torch.relu(chain.a(x))) * kwargs[i]["scale"], rtol=0, atol=0)
-    assert not _batch_threads()
+    assert not live_batches()
 
 
 def test_a_group_shared_by_linears_is_one_stop():
@@ -80,10 +82,18 @@ def test_a_group_shared_by_linears_is_one_stop():
     assert counts == [0, 0, 0, ("q", 0)]
 
 
-@pytest.mark.parametrize("parallel", [1, 2])
 @pytest.mark.parametrize("where", ["forward", "at_group", "on_input"])
-def test_a_failure_ends_the_pass_without_a_hung_thread(where, parallel):
-    chain = Chain()
+def test_a_failure_ends_the_pass_with_every_parked_forward_unwound(where):
+    class Guarded(Chain):
+        unwound: ClassVar[list] = []
+
+        def forward(self, x, scale=1.0):
+            try:
+                return super().forward(x, scale)
+            finally:
+                self.unwound.append(scale)
+
+    chain = Guarded()
 
     class Boom(RuntimeError):
         pass
@@ -99,8 +109,10 @@ def test_a_failure_ends_the_pass_without_a_hung_thread(where, parallel):
     kwargs = [{}, {}, {"scale": "not a number"} if where == "forward" else {}]
     with pytest.raises((Boom, TypeError)):
         drive_in_lockstep(chain, [torch.randn(2, 4) for _ in range(3)], kwargs, [[chain.a], [chain.b], [chain.c]],
-                          on_input, at_group, outputs=[], parallel=parallel)
-    assert not _batch_threads()
+                          on_input, at_group, outputs=[])
+    assert not live_batches()
+    # every batch that began its forward left it through its finally block (parked ones unwound, not dropped)
+    assert len(Guarded.unwound) == 3
 
 
 def test_a_batch_reaching_a_quantized_group_late_is_an_error():
@@ -119,7 +131,7 @@ def test_a_batch_reaching_a_quantized_group_late_is_an_error():
     with pytest.raises(QuantizationError, match="order that differs between batches"):
         drive_in_lockstep(m, [torch.randn(2, 4)] * 2, [{}, {"flip": True}], [[m.a], [m.b]], lambda g, x: None,
                           lambda g: None, names=["a", "b"])
-    assert not _batch_threads()
+    assert not live_batches()
 
 
 class RecordingTrueSequentialRTN(RTN):
