@@ -347,3 +347,18 @@ def test_a_hessian_that_cannot_be_parked_is_a_clear_error(monkeypatch):
     algo = GPTQ(GPTQConfig(park_hessian_bytes=0), QuantScheme(num_bits=4, group_size=32))
     with pytest.raises(QuantizationError, match=r"GPTQ down: cannot park .*No space left.*TMPDIR.*park_hessian_bytes=null"):
         algo._solve_group({"down": linear}, ["down"], acc, torch.bfloat16, None)
+
+
+def test_heap_is_trimmed_before_a_solve_only_for_large_groups(monkeypatch):
+    """Small groups skip the trim (the next forward would fault the pages straight back in); an 8B-sized
+    group's solve starts with the free heap handed back."""
+    import quantkit.algorithms.gptq as gptq_algorithm
+
+    trims = []
+    monkeypatch.setattr(gptq_algorithm, "release_free_memory", lambda: trims.append(1) or True)
+    small = {"q": torch.nn.Linear(576, 576, device="meta"), "k": torch.nn.Linear(576, 192, device="meta")}
+    gptq_algorithm._trim_before_solve(small, ["q", "k"])
+    assert trims == []
+    big = {"q": torch.nn.Linear(4096, 4096, device="meta"), "k": torch.nn.Linear(4096, 1024, device="meta")}
+    gptq_algorithm._trim_before_solve(big, ["q", "k"])
+    assert trims == [1]
