@@ -5,9 +5,8 @@ runs end to end."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import threading
+from typing import ClassVar
 
 import pytest
 import torch
