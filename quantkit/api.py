@@ -31,6 +31,7 @@ from quantkit.catalog import adapter_for
 from quantkit.errors import QuantizationError
 from quantkit.export import export_checkpoint
 from quantkit.finite import check_source
+from quantkit.kernels.wide_matmul import widened
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, read_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.models.resolve import resolve_model
@@ -155,7 +156,8 @@ def quantize(
     if batches is None and any(s.algorithm.needs_data() for s in stages):
         batches = _batches(recipe, dataset, tokenizer, source, adapter.needs_bos)
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    result = quantize_model(net, adapter, stages, batches, storage, progress, device=where.device)
+    with widened(choice):
+        result = quantize_model(net, adapter, stages, batches, storage, progress, device=where.device)
     rounded = not isinstance(model, nn.Module) and not compute.holds_exactly(choice.dtype, storage)
     record = QuantizeRecord(recipe, source, storage, choice, where, result, fallbacks, created,
                             rounded_from=source if rounded else None)

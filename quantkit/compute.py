@@ -22,7 +22,9 @@ otherwise decode computes in float32 (the weights exact, twice their memory) and
 The choice never loses weight precision: a 16-bit compute dtype is taken only for a checkpoint
 stored in a dtype it holds exactly (bf16 -> float32 is exact, float32 -> bf16 is not), so a
 float32 checkpoint computes in float32. `QUANTKIT_COMPUTE_DTYPE`, or an explicit setting (a
-recipe's `calibration.dtype`, a `--dtype` option), overrides the automatic choice.
+recipe's `calibration.dtype`, a `--dtype` option), overrides the automatic choice; a 16-bit dtype
+so asked for on a CPU that does not compute it fast keeps its numbers but runs its matmuls on float32
+GEMMs (`ComputeChoice.wide_matmuls`, `kernels.wide_matmul`).
 """
 
 from __future__ import annotations
@@ -127,17 +129,22 @@ class ComputeChoice:
     device: str  # "cpu", "cuda:0", ...
     reason: str  # why, in words: "AVX2, no fast bf16"
     source: str  # "auto", "env" (QUANTKIT_COMPUTE_DTYPE) or "setting"
+    # a 16-bit dtype asked for on a CPU that does not compute it fast: its matmuls run as float32 GEMMs
+    # rounded back to it (`kernels.wide_matmul`); never chosen automatically, which picks 16 bits only where fast
+    wide_matmuls: bool = False
 
     @property
     def name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
     def describe(self) -> str:
-        return f"compute {self.name} on {self.device}: {self.reason}"
+        wide = (f"; its matmuls run as float32 GEMMs rounded to {self.name} (this CPU's {self.name} GEMMs are slow)"
+                if self.wide_matmuls else "")
+        return f"compute {self.name} on {self.device}: {self.reason}{wide}"
 
     def to_json(self) -> dict:
         return {"dtype": self.name, "device": self.device, "reason": self.reason, "source": self.source,
-                "cpu_capability": cpu_features().capability}
+                "wide_matmuls": self.wide_matmuls, "cpu_capability": cpu_features().capability}
 
 
 def parse_dtype(name: str, where: str) -> Optional[torch.dtype]:
@@ -201,11 +208,11 @@ def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setti
     dev = str(torch.device(device))
     explicit = parse_dtype(setting or "auto", setting_name)
     if explicit is not None:
-        return ComputeChoice(explicit, dev, f"{setting_name}={_name(explicit)}" + _rounding(explicit, storage), "setting")
+        return asked_for(explicit, storage, device, f"{setting_name}={_name(explicit)}", "setting", features, probe)
     env = os.environ.get(ENV, "")
     from_env = parse_dtype(env, ENV)
     if from_env is not None:
-        return ComputeChoice(from_env, dev, f"{ENV}={env.strip()}" + _rounding(from_env, storage), "env")
+        return asked_for(from_env, storage, device, f"{ENV}={env.strip()}", "env", features, probe)
     fast, why = fast_16bit(device, features, probe)
     exact = EXACT_FOR.get(storage, (torch.float32,))
     for dtype in fast:
@@ -220,6 +227,22 @@ def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setti
     elif fast:
         why = f"{why}; the checkpoint is {_name(storage)}, which {_name(fast[0])} does not hold exactly"
     return ComputeChoice(torch.float32, dev, why, "auto")
+
+
+def asked_for(dtype: torch.dtype, storage: torch.dtype, device: Union[str, torch.device], why: str, source: str,
+              features: Optional[CpuFeatures] = None, probe: Optional[Callable[[], bool]] = None) -> ComputeChoice:
+    """The choice of a dtype named by the user (`why` says where): taken as asked; on a CPU that does not
+    compute it fast, a 16-bit dtype keeps its numbers but runs its matmuls on float32 GEMMs."""
+    return ComputeChoice(dtype, str(torch.device(device)), why + _rounding(dtype, storage), source,
+                         wide_matmuls=needs_wide_matmuls(dtype, device, features, probe))
+
+
+def needs_wide_matmuls(dtype: torch.dtype, device: Union[str, torch.device], features: Optional[CpuFeatures] = None,
+                       probe: Optional[Callable[[], bool]] = None) -> bool:
+    """Whether `dtype`'s matmuls should run as float32 GEMMs: a 16-bit dtype on a CPU not fast in it."""
+    if dtype == torch.float32 or torch.device(device).type != "cpu":
+        return False
+    return dtype not in fast_16bit(device, features, probe)[0]
 
 
 def _for_decode(dtype: torch.dtype, dev: str, why: str, ratio_of: Callable[[torch.dtype], float],

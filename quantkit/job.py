@@ -22,6 +22,7 @@ from quantkit.api import calibration_batches, float_source, report_fallbacks
 from quantkit.atomic import (atomic_output_dir, check_free_space, check_output_free, check_writable, clean_stale_for,
                              scratch_dir)
 from quantkit.calibration.activations import Activations, Budget
+from quantkit.kernels.wide_matmul import widened
 from quantkit.errors import QuantizationError
 from quantkit.export import export_checkpoint, write_model_files
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, read_config
@@ -110,11 +111,13 @@ def plan(model_spec: Optional[str], recipe: Recipe, device: "str | torch.device 
     choice = compute.choose(storage_dtype, where.device, recipe.calibration.dtype, "calibration.dtype")
     model = skeleton(model_config(source, raw), choice.dtype)
     stages = build_stages(model, adapter, recipe)
+    with widened(choice):  # the GEMM speed the run will see
+        throughput = Throughput.measure(choice.dtype) if measure else None
     return make_plan(model, stages, adapter, recipe, model_name=str(source), device=where.device,
                      compute_dtype=choice.dtype, storage_dtype=storage_dtype,
                      checkpoint_bytes=estimate_checkpoint_bytes(model, stages, storage_dtype),
                      activation_budget=_budget(where.device, activation_budget_bytes),
-                     throughput=Throughput.measure(choice.dtype) if measure else None, nproc=nproc,
+                     throughput=throughput, nproc=nproc,
                      tokenizer_bytes=tokenizer_file_bytes(source))
 
 
@@ -295,7 +298,7 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
 
     state = None
     if not world.is_writer:
-        with scratch:
+        with scratch, widened(choice):
             result = _run_silent(model, adapter, stages, batches, storage_dtype, where, activations, onloaded)
         return QuantizeReport(out, source, result, time.perf_counter() - start, choice, where)
     if onloaded is not None:
@@ -305,7 +308,7 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
         manifest = resume_mod.fingerprint(source, recipe.to_yaml(), batches, settings)
         state = resume_mod.RunState.open(out, manifest, resume, restart, notify)
     try:
-        with scratch:
+        with scratch, widened(choice):
             result = _run(model, adapter, stages, batches, storage_dtype, progress, where, activations, onloaded, out,
                           overwrite, source, extra_files, trust_remote_code, notify, max_shard_bytes, state)
     except BaseException:

@@ -27,6 +27,7 @@ from quantkit.quantization_config import LoadPlan, parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.models.resolve import resolve_model
 from quantkit.kernels.select import forced_kernel
+from quantkit.kernels.wide_matmul import wrap_forward
 from quantkit.qmodules.fp8_linear import plan_dense_cache
 from quantkit.qmodules.kv import attention_modules
 from quantkit.runtime import offload as offload_mod
@@ -104,6 +105,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     model.quantkit_source = str(path)
     model.quantkit_offload = offloading
     model.quantkit_compute = choice
+    wrap_forward(model, choice)  # a 16-bit dtype this CPU is slow in: the model's matmuls on float32 GEMMs
     model.quantkit_device = where
     model.quantkit_runtime = RuntimeState(kernel=kernel)
     log.info("%s: %s", path, choice.describe())
@@ -113,8 +115,8 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
 def compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype, device: torch.device,
                    workload: str = "batch", float32_fits=None) -> compute.ComputeChoice:
     if isinstance(dtype, torch.dtype):
-        return compute.ComputeChoice(dtype, str(device), f"dtype={str(dtype).removeprefix('torch.')} asked for",
-                                     "setting")
+        return compute.asked_for(dtype, storage, device, f"dtype={str(dtype).removeprefix('torch.')} asked for",
+                                 "setting")
     return compute.choose(storage, device, dtype or "auto", "dtype", workload=workload, float32_fits=float32_fits)
 
 
