@@ -7,7 +7,7 @@ Each (model, setup, recipe) is one `quantkit quantize` process. Setups: `native`
 the policy choosing the compute dtype), `avx2` (an AVX2-only CPU imitated on this one:
 ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2, so torch's kernels, and oneDNN's bf16 GEMMs, are
 those of an AVX2 CPU; the policy's probe then finds bf16 slow and chooses float32, as on such a CPU),
-or a dtype name (`float32`, `bfloat16`: QUANTKIT_COMPUTE_DTYPE forced). The compute dtype each run
+or a dtype name (`float32`, `bfloat16`: QUANTKIT_COMPUTE_DTYPE forced), or `avx2+DTYPE` for both. The compute dtype each run
 chose, and why, is read back from its quantkit.json. The recipes run as shipped except for a smaller calibration set
 (`--samples` x `--seq-len`, the same for every run) so that the whole matrix fits one sitting. Then one
 `quantkit eval compare` pass per (model, policy) scores all its checkpoints against the original in
@@ -43,10 +43,11 @@ IMITATE_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 def setup_env(setup: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("QUANTKIT_COMPUTE_DTYPE", *IMITATE_AVX2)}
     env["HF_HUB_OFFLINE"] = "1"
-    if setup == "avx2":
-        env.update(IMITATE_AVX2)
-    elif setup != "native":
-        env["QUANTKIT_COMPUTE_DTYPE"] = setup
+    for part in setup.split("+"):  # e.g. avx2+bfloat16: AVX2 imitated and bf16 forced
+        if part == "avx2":
+            env.update(IMITATE_AVX2)
+        elif part != "native":
+            env["QUANTKIT_COMPUTE_DTYPE"] = part
     return env
 
 

@@ -32,3 +32,17 @@ def test_a_bench_script_builds_a_transformers_model(tmp_path):
                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "LlamaForCausalLM"
+
+
+def test_the_recipe_matrix_setups_combine(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("recipe_matrix_script", BENCH / "recipe_matrix.py")
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    monkeypatch.setenv("QUANTKIT_COMPUTE_DTYPE", "float16")  # the caller's own setting never leaks into a setup
+    native, avx2, bf16, both = (matrix.setup_env(s) for s in ("native", "avx2", "bfloat16", "avx2+bfloat16"))
+    assert "QUANTKIT_COMPUTE_DTYPE" not in native and "ATEN_CPU_CAPABILITY" not in native
+    assert avx2["ATEN_CPU_CAPABILITY"] == "avx2" and "QUANTKIT_COMPUTE_DTYPE" not in avx2
+    assert bf16["QUANTKIT_COMPUTE_DTYPE"] == "bfloat16" and "ONEDNN_MAX_CPU_ISA" not in bf16
+    assert both["QUANTKIT_COMPUTE_DTYPE"] == "bfloat16" and both["ONEDNN_MAX_CPU_ISA"] == "AVX2"

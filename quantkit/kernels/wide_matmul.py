@@ -10,8 +10,11 @@ below). `WideMatmuls` computes the same thing on the float32 kernels: widen the 
 attention, norms, storage) stays 16-bit.
 
 `compute.choose` decides where this applies (`ComputeChoice.wide_matmuls`: a 16-bit dtype asked
-for on a CPU that does not compute it fast); `widened(choice)` is the context the calibration and
-the loaded model's forwards run in.
+for on a CPU that does not compute it fast); calibration runs inside `widened(choice)`, and the
+loader wraps a model's forwards with `wrap_forward`. Widening a large weight costs a fresh float32
+allocation per call; converting it block by block into a reused buffer was tried and measured slower
+(a 14336 x 4096 linear at 256 rows: 1264 ms against 475 ms whole, beside another job; narrow GEMMs
+and strided copies).
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ MATMULS = frozenset({
 })
 
 # widen a product only when its left operand has this many rows: widening converts the whole weight to
-# float32 at every call, which a GEMV (decode's one token, a few rows) does not earn back. Measured (512 x 576
-# -> 1536 linear / 4096 -> 4096, us): AVX2-limited torch, 1 row native 116 / 1590 vs widened 373 / 20750,
+# float32 at every call, which a GEMV (decode's one token, a few rows) does not earn back. Measured (a 576
+# -> 1536 linear / a 4096 -> 4096 one, us): AVX2-limited torch, 1 row native 116 / 1590 vs widened 373 / 20750,
 # 64 rows 6248 / 86287 vs 1321 / 39359; an AVX-512 Xeon without AMX, 64 rows 795 / 14660 vs 905 / 33660,
 # 512 rows 7200 vs 3600 (the first shape); the 100x-slow bf16 of an AVX2 EPYC gains at every size
 MIN_ROWS = 64
