@@ -121,7 +121,7 @@ def widening(dtype: torch.dtype) -> Iterator[None]:
 
 def widened(choice) -> contextlib.AbstractContextManager:
     """The context a compute choice's forwards run in: widening where `choice.wide_matmuls`, else nothing."""
-    return widening(choice.dtype) if getattr(choice, "wide_matmuls", False) else contextlib.nullcontext()
+    return widening(choice.dtype) if choice.wide_matmuls else contextlib.nullcontext()
 
 
 def wrap_forward(model: torch.nn.Module, choice) -> None:
@@ -129,7 +129,7 @@ def wrap_forward(model: torch.nn.Module, choice) -> None:
     head, since eval, lm-eval and generate's prefill call the latter two directly. A call too small for
     any product to be widened (a decode step's one token) skips the mode and its per-op overhead.
     Nothing changes where the choice does not widen."""
-    if not getattr(choice, "wide_matmuls", False):
+    if not choice.wide_matmuls:
         return
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
