@@ -305,6 +305,8 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
         settings = {"load": load_mode, "compute_dtype": choice.name, "device_type": where.device.type,
                     "world_size": world.size, "max_shard_bytes": max_shard_bytes,
                     "zero_nonfinite": bool(zero_nonfinite)}
+        if choice.wide_matmuls:  # (only when set: a manifest of a run without widening reads the same as before)
+            settings["wide_matmuls"] = True  # float32 GEMMs rounded to 16 bits: other last bits than native kernels
         manifest = resume_mod.fingerprint(source, recipe.to_yaml(), batches, settings)
         state = resume_mod.RunState.open(out, manifest, resume, restart, notify)
     try:

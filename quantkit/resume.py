@@ -3,7 +3,8 @@
 A run (load mode "layers") keeps, in a hidden directory next to its output (`.NAME.run`):
 - `manifest.json`: what the run is a function of (the source checkpoint's file names, sizes and
   safetensors-header hashes and its config, the resolved recipe, the calibration tokens, the
-  quantkit version, the compute dtype, the device type, the world size, the shard size);
+  quantkit version, the compute dtype and whether its 16-bit matmuls run widened, the device type,
+  the world size, the shard size);
 - one safetensors file per finished part (`head`: tensors before the decoder layers, `layer-NNNNN`,
   `tail`), holding exactly the tensors the output will hold, in the order they were made;
 - `hidden.safetensors`: the calibration activations entering the first unfinished layer;

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from quantkit import resume as resume_mod
@@ -183,3 +184,23 @@ def test_clean_lists_and_discards_a_stopped_run(tiny_llama, tmp_path, monkeypatc
     assert run_dir(out).is_dir()
     res = CliRunner().invoke(main, ["clean", str(tmp_path)])
     assert res.exit_code == 0 and not run_dir(out).exists()
+
+
+def test_a_run_with_widened_matmuls_resumes_only_widened(tiny_llama, tmp_path, monkeypatch):
+    """Widened and native 16-bit kernels differ in their last bits: a run begun in one is not continued in the
+    other (nor one begun before widening existed, whose manifest has no such entry)."""
+    from quantkit import compute
+
+    out = tmp_path / "q"
+    name, overrides = RECIPES["gptq"]
+    recipe = load_recipe(name, [*overrides, "calibration.dtype=bfloat16"])
+    monkeypatch.setattr(compute, "fast_16bit", lambda device, features=None, probe=None: ((), "test CPU, no fast bf16"))
+    stop_after(monkeypatch, 0)
+    with pytest.raises(KeyboardInterrupt):
+        quantize(str(tiny_llama), recipe, out, progress=False)
+    manifest = json.loads((run_dir(out) / "manifest.json").read_text())
+    assert manifest["wide_matmuls"] is True and manifest["compute_dtype"] == "bfloat16"
+    monkeypatch.setattr(compute, "fast_16bit", lambda device, features=None, probe=None: ((torch.bfloat16,), "fast"))
+    with pytest.raises(ResumeError, match="wide_matmuls: True then, None now"):
+        quantize(str(tiny_llama), recipe, out, progress=False, resume=True)
+    assert run_dir(out).is_dir() and not out.exists()
