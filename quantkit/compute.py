@@ -24,7 +24,9 @@ stored in a dtype it holds exactly (bf16 -> float32 is exact, float32 -> bf16 is
 float32 checkpoint computes in float32. `QUANTKIT_COMPUTE_DTYPE`, or an explicit setting (a
 recipe's `calibration.dtype`, a `--dtype` option), overrides the automatic choice; a 16-bit dtype
 so asked for on a CPU that does not compute it fast keeps its numbers but runs its matmuls on float32
-GEMMs (`ComputeChoice.wide_matmuls`, `kernels.wide_matmul`).
+GEMMs (`ComputeChoice.wide_matmuls`, `kernels.wide_matmul`). So does a 16-bit checkpoint that would
+not fit in memory as float32 on a CPU slow in its dtype (a bf16 7B model, 14 GB, on a 24 GB AVX2
+machine): computing in float32 would need 28 GB, or offloading to disk, where bf16 fits.
 """
 
 from __future__ import annotations
@@ -129,8 +131,8 @@ class ComputeChoice:
     device: str  # "cpu", "cuda:0", ...
     reason: str  # why, in words: "AVX2, no fast bf16"
     source: str  # "auto", "env" (QUANTKIT_COMPUTE_DTYPE) or "setting"
-    # a 16-bit dtype asked for on a CPU that does not compute it fast: its matmuls run as float32 GEMMs
-    # rounded back to it (`kernels.wide_matmul`); never chosen automatically, which picks 16 bits only where fast
+    # a 16-bit dtype on a CPU that does not compute it fast (asked for, or a 16-bit model that would not fit
+    # in memory as float32): its matmuls run as float32 GEMMs rounded back to it (`kernels.wide_matmul`)
     wide_matmuls: bool = False
 
     @property
@@ -202,7 +204,9 @@ def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setti
     workload: "batch" (GEMMs: calibration, eval) or "decode" (generate, chat): on a CPU, decode keeps a
     16-bit dtype only where `decode_ratio(dtype)` (float32's one-token linear time over the 16-bit one's;
     by default `gemv_ratio_cached` at generic shapes) is at least DECODE_MIN_RATIO, or where
-    `float32_fits()` says the model would not fit in memory in float32."""
+    `float32_fits()` says the model would not fit in memory in float32. Where no fast 16-bit dtype holds
+    the checkpoint, `float32_fits()` (any workload; CPU) keeps a 16-bit checkpoint in its own dtype when
+    float32 would not fit, its GEMMs widened where the CPU is slow in it."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload {workload!r}: use one of {', '.join(WORKLOADS)}")
     dev = str(torch.device(device))
@@ -222,6 +226,14 @@ def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setti
             return ComputeChoice(dtype, dev, why, "auto")
     if torch.device(device).type == "cuda" and fast and storage == torch.bfloat16:
         return ComputeChoice(fast[0], dev, why, "auto")  # bf16 weights are exact in fp16 but for subnormals
+    if (storage in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu"
+            and float32_fits is not None and not float32_fits()):
+        # float32 would double a model that fits only as stored: keep its dtype, and where the CPU is slow in it,
+        # run its GEMMs widened (float32 speed, 16-bit memory); one-token steps stay native (a GEMV widened
+        # converts the whole weight per token: 7-9x slower than either)
+        return ComputeChoice(storage, dev, f"{why}, but the model would not fit in memory in float32: computing in "
+                                           f"{_name(storage)}, as stored", "auto",
+                             wide_matmuls=storage not in fast)
     if fast and storage == torch.float32:
         why = f"{why}; the checkpoint is float32 and 16 bits would round its weights"
     elif fast:

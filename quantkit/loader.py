@@ -60,8 +60,9 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     raw = read_config(path)
     qc = raw.get("quantization_config")
     plan = parse_quantization_config(qc, f"{path}/config.json") if qc else None
-    choice = compute_choice(dtype, checkpoint_dtype(raw), where.device, workload,
-                            float32_fits=lambda: _fits_in_float32(path))
+    # (offloaded to disk, only one layer is ever in memory: float32 then always fits)
+    fits = (lambda: True) if str(offload).strip().lower() == "disk" else (lambda: _fits_in_float32(path))
+    choice = compute_choice(dtype, checkpoint_dtype(raw), where.device, workload, float32_fits=fits)
     dtype = choice.dtype
     config = model_config(path, raw)
     if hasattr(config, "quantization_config"):

@@ -335,3 +335,46 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+# -- a 16-bit model that fits in memory only as stored ---------------------------------------------
+
+
+@pytest.mark.parametrize("workload", ["batch", "decode"])
+def test_a_16_bit_model_too_large_for_float32_stays_16_bit_where_the_cpu_is_slow_in_it(workload):
+    def avx2(**kw):
+        return choose(kw.pop("storage", torch.bfloat16), "cpu", features=AVX2, probe=_never_probe, workload=workload,
+                      decode_ratio=_never_gemv, **kw)
+
+    kept = avx2(float32_fits=lambda: False)
+    assert kept.dtype == torch.bfloat16 and kept.wide_matmuls and kept.source == "auto"
+    assert "AVX2, no fast bf16, but the model would not fit in memory in float32: computing in bfloat16" in kept.reason
+    assert "its matmuls run as float32 GEMMs rounded to bfloat16" in kept.describe()
+    fp16 = avx2(storage=torch.float16, float32_fits=lambda: False)
+    assert fp16.dtype == torch.float16 and fp16.wide_matmuls
+    for fits in (lambda: True, None):  # it fits, or nobody asked: float32 as before
+        assert avx2(float32_fits=fits).dtype == torch.float32
+    # a float32 checkpoint is never narrowed; an AMX CPU keeps fp16 weights in fp16 (not exact in its fast bf16),
+    # widened since its fp16 GEMMs are not the fast ones
+    assert avx2(storage=torch.float32, float32_fits=lambda: False).dtype == torch.float32
+    amx = choose(torch.float16, "cpu", features=AMX, probe=_never_probe, float32_fits=lambda: False)
+    assert amx.dtype == torch.float16 and amx.wide_matmuls
+
+
+def test_the_loader_keeps_a_model_16_bit_that_fits_only_as_stored(tiny_llama, monkeypatch):
+    from quantkit import loader, memory
+    from quantkit.formats.lazy import LazyCheckpoint
+
+    ckpt = LazyCheckpoint(tiny_llama)
+    floats = sum(_numel(ckpt.info(k)[1]) for k in ckpt.keys())
+    monkeypatch.setattr(compute, "cpu_features", lambda: AVX2)
+    monkeypatch.setattr(memory, "available_memory", lambda: int(floats * 3 / 0.8))  # bf16 fits, float32 does not
+    for workload in ("batch", "decode"):
+        model = loader.load(tiny_llama, workload=workload)
+        assert model.dtype == torch.bfloat16 and model.quantkit_compute.wide_matmuls
+        assert "forward" in vars(model)  # its GEMMs widened
+        assert not model.quantkit_offload.offloaded
+    # offloaded to disk, one layer at a time: float32 fits, and is the fast choice here
+    assert loader.load(tiny_llama, offload="disk").dtype == torch.float32
+    monkeypatch.setattr(memory, "available_memory", lambda: int(floats * 4 / 0.8) + 16)
+    assert loader.load(tiny_llama).dtype == torch.float32

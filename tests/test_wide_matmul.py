@@ -197,3 +197,27 @@ def test_a_fast_or_float32_choice_leaves_the_model_alone(tiny_llama, monkeypatch
     wide = fast.quantkit_compute.wide_matmuls
     assert not wide and "forward" not in vars(fast)
     assert "forward" not in vars(quantkit.load(tiny_llama, dtype=torch.float32))
+
+
+@pytest.mark.slow
+def test_smollm2_too_large_for_float32_here_evaluates_in_bf16_widened(smollm2, emma_ppl, monkeypatch, spy):
+    """The real model on a CPU described as AVX2, with memory for its bf16 weights but not for float32 ones:
+    it loads in bf16 (no disk offload, no float32), its GEMMs widened, and scores as float32 does to bf16's
+    precision."""
+    from quantkit import memory
+    from quantkit.calibration.data import load_text, tokenize
+    from quantkit.eval.ppl import perplexity
+    from quantkit.loader import load, load_tokenizer
+
+    weights = sum(f.stat().st_size for f in smollm2.glob("*.safetensors"))  # bf16 on disk
+    monkeypatch.setattr(compute, "cpu_features", lambda: AVX2)
+    monkeypatch.setattr(memory, "available_memory", lambda: int(weights * 1.5 / 0.8))  # 1.5x bf16 < float32's 2x
+    model = load(smollm2, offload="auto")
+    assert model.dtype == torch.bfloat16 and model.quantkit_compute.wide_matmuls
+    assert not model.quantkit_offload.offloaded
+    assert "would not fit in memory in float32" in model.quantkit_compute.describe()
+    ids = tokenize(load_tokenizer(smollm2), load_text("emma"))
+    ppl = perplexity(model, ids, seq_len=512, max_windows=1).ppl
+    assert len(spy) > 0
+    reference = emma_ppl(smollm2, 1)
+    assert abs(ppl / reference - 1) < 0.02, (ppl, reference)  # bf16 activations: 34.26 against 34.36 measured
