@@ -81,7 +81,13 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
         _add_kv_scale_slots(model, plan.kv_cache_strategy)
     ckpt = LazyCheckpoint(path, to_module)
     owner_quantized = quantized.__contains__
-    offloading = offload_mod.choose(offload, offload_mod.in_memory_bytes(ckpt, dtype, owner_quantized))
+    try:
+        offloading = offload_mod.choose(offload, offload_mod.in_memory_bytes(ckpt, dtype, owner_quantized))
+    except offload_mod.OffloadError as exc:
+        stored = checkpoint_dtype(raw)
+        half = (f"; or --dtype {str(stored).removeprefix('torch.')} keeps its weights as stored, in half the memory"
+                if dtype == torch.float32 and stored.itemsize == 2 else "")
+        raise offload_mod.OffloadError(f"{path} ({choice.describe()}): {exc}{half}") from None
     if offloading.offloaded:
         if adapter is None:
             raise offload_mod.OffloadError(f"{path}: --offload disk needs an architecture quantkit knows "

@@ -39,10 +39,19 @@ def release_free_memory() -> bool:
 
 def available_memory() -> Optional[int]:
     """Bytes the kernel reports as available for new allocations (MemAvailable); None where unknown."""
+    return _meminfo("MemAvailable")
+
+
+def free_swap() -> int:
+    """Bytes of free swap (SwapFree; 0 where unknown)."""
+    return _meminfo("SwapFree") or 0
+
+
+def _meminfo(field: str) -> Optional[int]:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024  # kB
     except OSError:
         return None

@@ -92,9 +92,27 @@ def test_auto_offloads_only_what_does_not_fit():
     assert big.offloaded
     assert big.describe() == ("offload disk: the model takes 9.00 GB, more than 80% of the 10.00 GB available: its "
                               "layers load from disk one at a time (slower; --offload none to load it whole)")
-    assert not offload.choose("none", 10**12, 1).offloaded and offload.choose("disk", 1, 10**12).offloaded
+    assert not offload.choose("none", 10**9, 10**10).offloaded and offload.choose("disk", 1, 10**12).offloaded
+    # loading whole what cannot fit even with the swap could only end in an OOM kill: an error naming the fix
+    with pytest.raises(offload.OffloadError, match=r"the model takes 1000.00 GB in memory, more than the 0.00 GB "
+                                                   r"available .* --offload auto \(or disk\)"):
+        offload.choose("none", 10**12, 1)
     with pytest.raises(offload.OffloadError, match=r"--offload 'ram': use one of none, disk, auto"):
         offload.choose("ram", 1)
+
+
+def test_loading_whole_what_cannot_fit_is_an_error_naming_the_model_and_the_fix(checkpoints, monkeypatch):
+    monkeypatch.setattr(offload, "available_memory", lambda: 1000)
+    monkeypatch.setattr(offload, "free_swap", lambda: 0)
+    res = CliRunner().invoke(main, ["eval", "ppl", str(checkpoints["llama"]), "--seq-len", "64", "--max-windows", "2",
+                                    "--no-progress", "--offload", "none"])
+    assert res.exit_code != 0 and res.exception is not None
+    message = str(res.output) + str(res.exception)
+    assert str(checkpoints["llama"]) in message and "--offload auto (or disk)" in message, message
+    assert "or --dtype bfloat16 keeps its weights as stored, in half the memory" in message  # ppl: float32
+    res = CliRunner().invoke(main, ["eval", "ppl", str(checkpoints["llama"]), "--seq-len", "64", "--max-windows", "2",
+                                    "--no-progress", "--offload", "auto"])
+    assert res.exit_code == 0 and "offload disk" in res.output, res.output
 
 
 def test_in_memory_bytes_counts_the_compute_dtype(checkpoints):

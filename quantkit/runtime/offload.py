@@ -8,7 +8,8 @@ dense copy its quantized modules made. Memory holds one layer at a time; every f
 whole model from disk (the page cache helps when it can), so this is for models that do not fit.
 
 `auto` offloads only when the model in memory would take more than `FIT_SHARE` of the available
-memory, and says so.
+memory, and says so. `none` loads it whole, but a model larger than the available memory and free
+swap together is an error naming `--offload auto` (it could only end in the kernel's OOM kill).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from quantkit.errors import CheckpointError
 from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS
 from quantkit.formats.lazy import LazyCheckpoint
-from quantkit.memory import available_memory
+from quantkit.memory import available_memory, free_swap
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,12 @@ def choose(mode: Optional[str], model_bytes: int, available: Optional[int] = Non
     if mode not in MODES:
         raise OffloadError(f"--offload {mode!r}: use one of {', '.join(MODES)}")
     gb = model_bytes / 1e9
+    if mode == "none":  # loaded whole as asked, unless it cannot fit even with the swap: an error, not an OOM kill
+        room = available_memory() if available is None else available
+        if room is not None and model_bytes > room + free_swap():
+            raise OffloadError(f"the model takes {gb:.2f} GB in memory, more than the {room / 1e9:.2f} GB available "
+                               f"(and {free_swap() / 1e9:.2f} GB of free swap): --offload auto (or disk) loads its "
+                               "decoder layers from disk one at a time")
     if mode != "auto":
         return OffloadChoice(mode, "asked for" + (f" (model {gb:.2f} GB in memory)" if mode == "none" else ""),
                              model_bytes)
