@@ -32,6 +32,7 @@ from quantkit.models.resolve import resolve_model
 from quantkit.finite import check_source
 from quantkit.memory import PeakSampler, available_memory
 from quantkit.plan import Plan, Throughput, make_plan
+from quantkit.runtime.offload import DoesNotFitError
 from quantkit.pipeline import QuantizationResult, Stage, build_stages, quantize_model
 from quantkit.recipe import Recipe
 from quantkit.onload import OnloadedModel, skeleton
@@ -238,7 +239,11 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
     choice = compute.choose(storage_dtype, where.device, recipe.calibration.dtype, "calibration.dtype")
     notify(choice.describe())
     if load_mode == "whole":
-        model, onloaded = load(source, dtype=choice.dtype), None
+        try:
+            model, onloaded = load(source, dtype=choice.dtype), None
+        except DoesNotFitError as exc:  # (its fixes name eval's and generate's options, which quantize has not)
+            raise QuantizationError(f"--load whole: {exc.what}; --load layers (the default) holds one decoder "
+                                    "layer at a time") from None
         zeroed = check_source(model, zero_nonfinite, notify)
     else:
         model = skeleton(model_config(source, raw), choice.dtype)

@@ -83,11 +83,11 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     owner_quantized = quantized.__contains__
     try:
         offloading = offload_mod.choose(offload, offload_mod.in_memory_bytes(ckpt, dtype, owner_quantized))
-    except offload_mod.OffloadError as exc:
+    except offload_mod.DoesNotFitError as exc:
         stored = checkpoint_dtype(raw)
-        half = (f"; or --dtype {str(stored).removeprefix('torch.')} keeps its weights as stored, in half the memory"
-                if dtype == torch.float32 and stored.itemsize == 2 else "")
-        raise offload_mod.OffloadError(f"{path} ({choice.describe()}): {exc}{half}") from None
+        half = ([f"--dtype {str(stored).removeprefix('torch.')} keeps its weights as stored, in half the memory"]
+                if dtype == torch.float32 and stored.itemsize == 2 else [])
+        raise offload_mod.DoesNotFitError(f"{path} ({choice.describe()}): {exc.what}", exc.fixes + half) from None
     if offloading.offloaded:
         if adapter is None:
             raise offload_mod.OffloadError(f"{path}: --offload disk needs an architecture quantkit knows "

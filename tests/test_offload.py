@@ -115,6 +115,18 @@ def test_loading_whole_what_cannot_fit_is_an_error_naming_the_model_and_the_fix(
     assert res.exit_code == 0 and "offload disk" in res.output, res.output
 
 
+def test_quantize_whole_of_what_cannot_fit_names_its_own_fix(checkpoints, tmp_path, monkeypatch):
+    from quantkit.errors import QuantizationError
+
+    monkeypatch.setattr(offload, "available_memory", lambda: 1000)
+    monkeypatch.setattr(offload, "free_swap", lambda: 0)
+    with pytest.raises(QuantizationError, match=r"--load whole: .*the model takes .* GB in memory, more than the 0.00 "
+                                                r"GB available .*; --load layers \(the default\) holds one decoder"):
+        quantize(str(checkpoints["llama"]), load_recipe("rtn-w4a16"), tmp_path / "q", progress=False,
+                 load_mode="whole", memory_check=False)
+    assert not (tmp_path / "q").exists()
+
+
 def test_in_memory_bytes_counts_the_compute_dtype(checkpoints):
     from quantkit.formats.lazy import LazyCheckpoint
 

@@ -37,6 +37,15 @@ class OffloadError(CheckpointError):
     """--offload names no mode, or the model cannot be offloaded."""
 
 
+class DoesNotFitError(OffloadError):
+    """Loading whole a model larger than the available memory and free swap together: `what` says so, `fixes`
+    are the ways out (the caller adds its own)."""
+
+    def __init__(self, what: str, fixes: list[str]):
+        self.what, self.fixes = what, fixes
+        super().__init__(f"{what}: {'; or '.join(fixes)}")
+
+
 @dataclass(frozen=True)
 class OffloadChoice:
     mode: str  # "none" or "disk"
@@ -74,9 +83,9 @@ def choose(mode: Optional[str], model_bytes: int, available: Optional[int] = Non
     if mode == "none":  # loaded whole as asked, unless it cannot fit even with the swap: an error, not an OOM kill
         room = available_memory() if available is None else available
         if room is not None and model_bytes > room + free_swap():
-            raise OffloadError(f"the model takes {gb:.2f} GB in memory, more than the {room / 1e9:.2f} GB available "
-                               f"(and {free_swap() / 1e9:.2f} GB of free swap): --offload auto (or disk) loads its "
-                               "decoder layers from disk one at a time")
+            raise DoesNotFitError(f"the model takes {gb:.2f} GB in memory, more than the {room / 1e9:.2f} GB "
+                                  f"available (and {free_swap() / 1e9:.2f} GB of free swap)",
+                                  ["--offload auto (or disk) loads its decoder layers from disk one at a time"])
     if mode != "auto":
         return OffloadChoice(mode, "asked for" + (f" (model {gb:.2f} GB in memory)" if mode == "none" else ""),
                              model_bytes)
