@@ -543,8 +543,9 @@ def test_gptq_on_k_quant_grids_beats_ggml_rounding_and_is_what_gguf_py_reads(gri
     scheme = resolve_scheme(grid.upper(), {})
     H = _correlated_hessian(512)
     W = torch.randn(64, 512) * 0.05
-    gw, dead = gptq_quantize_ggml(W, H, scheme)
-    assert dead == 0 and gw.kind == grid.upper()
+    res = gptq_quantize_ggml(W, H, scheme)
+    gw = res.weight
+    assert res.dead_columns == 0 and gw.kind == grid.upper()
     raw = gw.to_blocks()
     theirs = torch.from_numpy(gguf_dequantize(raw, getattr(gguf.GGMLQuantizationType, gw.kind))).reshape(64, 512)
     assert torch.equal(gw.dequantize(), theirs)  # the solver's values are the file's, bit for bit

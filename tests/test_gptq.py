@@ -58,8 +58,9 @@ def test_fp8_codes_beat_nearest_on_the_hessian_weighted_error(strategy, block):
     scale = expanded_scale(nearest)
     nearest_err = hessian_error(W, nearest.dequantize(), H)
     for actorder, bound in ((False, 0.85), (True, 0.5)):
-        codes, dead = gptq_quantize_fp8(W, H, scale, block_size=32, actorder=actorder)
-        assert codes.dtype == torch.float8_e4m3fn and codes.shape == W.shape and dead == 0
+        res = gptq_quantize_fp8(W, H, scale, block_size=32, actorder=actorder)
+        codes = res.weight
+        assert codes.dtype == torch.float8_e4m3fn and codes.shape == W.shape and res.dead_columns == 0
         assert hessian_error(W, codes.float() * scale, H) < bound * nearest_err
 
 
@@ -68,7 +69,7 @@ def test_fp8_codes_with_uncorrelated_inputs_are_the_nearest_ones():
     W, _ = _problem()
     H = torch.diag(torch.linspace(0.5, 2.0, W.shape[1]))
     nearest = quantize_weight(W, "channel", torch.bfloat16)
-    codes, _ = gptq_quantize_fp8(W, H, expanded_scale(nearest), block_size=32, actorder=True)
+    codes = gptq_quantize_fp8(W, H, expanded_scale(nearest), block_size=32, actorder=True).weight
     assert torch.equal(codes.view(torch.uint8), nearest.q.view(torch.uint8))
 
 
@@ -83,7 +84,7 @@ def test_fp8_compensation_saturates_at_448():
     W = torch.tensor([[431.0 / 448, 1.0], [431.0 / 448, -1.0]])
     nearest = quantize_weight(W, "channel", torch.float32)
     assert nearest.q.float().tolist() == [[416.0, 448.0], [416.0, -448.0]]
-    codes, _ = gptq_quantize_fp8(W, H, expanded_scale(nearest))
+    codes = gptq_quantize_fp8(W, H, expanded_scale(nearest)).weight
     assert codes.float().tolist() == [[416.0, 448.0], [416.0, -384.0]]
 
 
@@ -130,7 +131,7 @@ def test_plugin_escalates_dampening_with_warning(caplog):
     algo = GPTQ(GPTQConfig(), scheme)
     W = torch.randn(8, 4, generator=torch.Generator().manual_seed(4))
     with caplog.at_level(logging.WARNING):
-        qw, info = algo._solve("model.layers.3.mlp.up_proj", [W], _indefinite_hessian(), torch.float32)
+        qw, info, _ = algo._solve("model.layers.3.mlp.up_proj", [W], _indefinite_hessian(), torch.float32)
     assert "model.layers.3.mlp.up_proj" in caplog.text and "raising dampening_frac 0.01 -> 0.1" in caplog.text
     assert info["dampening_frac"] == pytest.approx(0.1)
     assert qw.q.shape == (8, 4)
@@ -141,7 +142,7 @@ def test_plugin_rtn_fallback_is_loud_and_recorded(caplog):
     algo = GPTQ(GPTQConfig(dampening_retries=0), scheme)
     W = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
     with caplog.at_level(logging.ERROR):
-        qw, info = algo._solve("model.layers.0.self_attn.q_proj", [W], _indefinite_hessian(), torch.float32)
+        qw, info, _ = algo._solve("model.layers.0.self_attn.q_proj", [W], _indefinite_hessian(), torch.float32)
     assert "FALLING BACK TO RTN" in caplog.text and "model.layers.0.self_attn.q_proj" in caplog.text
     assert info["fallback"] == "rtn"
     assert torch.equal(qw.q, rtn(W, scheme, torch.float32).q)
@@ -271,10 +272,11 @@ def test_every_solver_gives_the_same_weights_from_a_parked_hessian():
                           actorder=scheme.actorder == "static").weight
         assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
     scale = expanded_scale(quantize_weight(W, "channel", torch.bfloat16, None))
-    assert torch.equal(gptq_quantize_fp8(W, H, scale)[0].view(torch.uint8),
-                       gptq_quantize_fp8(W, Parked(H), scale)[0].view(torch.uint8))
+    assert torch.equal(gptq_quantize_fp8(W, H, scale).weight.view(torch.uint8),
+                       gptq_quantize_fp8(W, Parked(H), scale).weight.view(torch.uint8))
     q4k = resolve_scheme("Q4_K", {})
-    assert (gptq_quantize_ggml(W, H, q4k)[0].to_blocks() == gptq_quantize_ggml(W, Parked(H), q4k)[0].to_blocks()).all()
+    assert (gptq_quantize_ggml(W, H, q4k).weight.to_blocks() ==
+            gptq_quantize_ggml(W, Parked(H), q4k).weight.to_blocks()).all()
 
 
 PARKING = """
@@ -362,3 +364,47 @@ def test_heap_is_trimmed_before_a_solve_only_for_large_groups(monkeypatch):
     big = {"q": torch.nn.Linear(4096, 4096, device="meta"), "k": torch.nn.Linear(4096, 1024, device="meta")}
     gptq_algorithm._trim_before_solve(big, ["q", "k"])
     assert trims == [1]
+
+
+def _full_trace(W, W_hat, H) -> float:
+    D = (W.double() - W_hat.double())
+    return float(((D @ H.double()) * D).sum())
+
+
+@pytest.mark.parametrize("n", [96, 576, 2304])
+def test_hessian_error_from_the_upper_triangle_is_the_full_product(n):
+    g = torch.Generator().manual_seed(n)
+    X = torch.randn(512, n, generator=g) * torch.rand(n, generator=g)
+    H = X.t() @ X / 256
+    W = torch.randn(40, n, generator=g)
+    W_hat = W + 0.1 * torch.randn(40, n, generator=g)
+    assert abs(hessian_error(W, W_hat, H) / _full_trace(W, W_hat, H) - 1) < 1e-6
+
+
+def test_every_solver_tallies_the_error_it_leaves():
+    """GPTQ's scaled errors give its Hessian-weighted error without a product with H: W - W_hat = e U, so under
+    the damped Hessian the error is |e|^2, and the report's undamped one that less damp |W - W_hat|^2 (dead
+    columns count nothing). Checked against the direct trace for every solver, stacked, in and out of order."""
+    from quantkit.quant.gptq import gptq_quantize_ggml
+    from quantkit.schemes import resolve_scheme
+
+    W, H = _problem(out=48, n=256)
+    H[7, :] = 0  # a dead column
+    H[:, 7] = 0
+    cases = []
+    for scheme in SCHEMES:
+        actorder = scheme.actorder == "static"
+        res = gptq_quantize([W[:16], W[16:]], H, scheme, torch.bfloat16, block_size=32, actorder=actorder,
+                            dampening_frac=0.05)
+        cases.append((scheme.short(), res, res.weight.dequantize()))
+    scale = expanded_scale(quantize_weight(W, "channel", torch.bfloat16, None))
+    res = gptq_quantize_fp8(W, H, scale, block_size=32, actorder=True)
+    cases.append(("fp8", res, res.weight.float() * scale))
+    res = gptq_quantize_ggml(W, H, resolve_scheme("Q4_K", {}))
+    cases.append(("q4_k", res, res.weight.dequantize()))
+    for name, res, W_hat in cases:
+        assert res.error.damp > 0 and res.dead_columns == 1
+        for rows in (slice(0, 16), slice(16, 48)):
+            direct = _full_trace(W[rows], W_hat[rows], H)
+            tallied = res.error.hessian_error(W[rows], W_hat[rows], rows)
+            assert abs(tallied / direct - 1) < 1e-4, (name, rows, tallied, direct)

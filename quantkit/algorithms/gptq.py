@@ -23,7 +23,8 @@ from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.algorithms.fp8 import StaticInputScales, nearest_fp8
 from quantkit.quant.fp8 import Fp8Weight, expanded_scale
 from quantkit.quant import ggml
-from quantkit.quant.gptq import HessianError, gptq_quantize, gptq_quantize_fp8, gptq_quantize_ggml, hessian_error
+from quantkit.quant.gptq import (HessianError, SolveError, gptq_quantize, gptq_quantize_fp8, gptq_quantize_ggml,
+                                 hessian_error)
 from quantkit.memory import release_free_memory
 from quantkit.parking import Parked
 from quantkit.quant.hessian import HessianAccumulator
@@ -134,20 +135,21 @@ class GPTQ(Algorithm):
                     f"({exc}); free space in {tempfile.gettempdir()}, point TMPDIR elsewhere, or keep Hessians in "
                     "memory with --set stages.N.args.park_hessian_bytes=null") from exc
             del H  # its memory is free while the solver's copy is made and factorized
-            qw, solve = self._solve(", ".join(group), [linears[n].weight.data for n in group], parked, scale_dtype,
-                                    nearest)
+            qw, solve, error = self._solve(", ".join(group), [linears[n].weight.data for n in group], parked,
+                                           scale_dtype, nearest)
             H = parked.load()  # back for the report, once the solver's copy and working weights are gone
             parked.close()
             log.debug("GPTQ %s: its %.2f GB Hessian waited on disk during the solve", group[0], parked.nbytes / 1e9)
         else:
-            qw, solve = self._solve(", ".join(group), [linears[n].weight.data for n in group], H, scale_dtype, nearest)
+            qw, solve, error = self._solve(", ".join(group), [linears[n].weight.data for n in group], H, scale_dtype,
+                                           nearest)
         result, report, start = {}, {}, 0
         for name in group:
             rows = slice(start, start + linears[name].out_features)
             result[name] = qw[name] if isinstance(qw, dict) else _rows(qw, rows)
             if input_scale is not None:
                 result[name].input_scale = input_scale
-            report[name] = self._metrics(linears[name].weight.data, result[name], nearest[name], H, solve)
+            report[name] = self._metrics(linears[name].weight.data, result[name], nearest[name], H, solve, error, rows)
             if self.scheme.grid is not None and (report[name].get("hessian_error_vs_rtn") or 0.0) > 1.0:
                 # a GGUF grid, weights already on it (a model converted from this very GGUF type): ggml's own
                 # rounding is near exact and GPTQ's compensation only adds error; keep the better of the two
@@ -192,8 +194,10 @@ class GPTQ(Algorithm):
         return nearest_fp8(W, self.scheme, scale_dtype) if self.scheme.is_fp8 else rtn(W, self.scheme, scale_dtype)
 
     def _solve(self, name: str, weights: list[torch.Tensor], H: torch.Tensor, scale_dtype: torch.dtype,
-               nearest: Optional[dict[str, Fp8Weight]] = None) -> tuple["QuantizedWeight | dict[str, Fp8Weight]", dict]:
-        """GPTQ with dampening escalation; returns the weight (FP8: per linear) and how it was obtained.
+               nearest: Optional[dict[str, Fp8Weight]] = None
+               ) -> tuple["QuantizedWeight | dict[str, Fp8Weight]", dict, Optional[SolveError]]:
+        """GPTQ with dampening escalation; returns the weight (FP8: per linear), how it was obtained, and the
+        solve's own error tally (None for the RTN fallback).
 
         FP8 schemes need `nearest`, the nearest rounding of each stacked linear (its scales are kept).
         weights: the group's weights, stacked afresh for each attempt into the solver's working copy."""
@@ -205,12 +209,13 @@ class GPTQ(Algorithm):
                 if self.scheme.is_fp8:
                     scale = torch.cat([expanded_scale(qw) for qw in nearest.values()])
                     # [sum(out), in], the solver's working copy (overwrite): held by the solver only, which frees it
-                    codes, dead = gptq_quantize_fp8(torch.cat(weights), H, scale, cfg.block_size, damp, actorder,
-                                                    overwrite=True)
-                    weight = _fp8_rows(codes, nearest)
+                    res = gptq_quantize_fp8(torch.cat(weights), H, scale, cfg.block_size, damp, actorder,
+                                            overwrite=True)
+                    weight = _fp8_rows(res.weight, nearest)
                 elif ggml.is_block_grid(self.scheme):
-                    weight, dead = gptq_quantize_ggml(weights, H, self.scheme, cfg.block_size, damp,
-                                                      scale_search=cfg.scale_search)
+                    res = gptq_quantize_ggml(weights, H, self.scheme, cfg.block_size, damp,
+                                             scale_search=cfg.scale_search)
+                    weight = res.weight
                     if not weight.all_finite():
                         raise HessianError("non-finite scales")
                 else:
@@ -220,11 +225,11 @@ class GPTQ(Algorithm):
                                         scale_search=cfg.scale_search and self.scheme.grid == "q4_0")
                     if not torch.isfinite(res.weight.scale.float()).all():
                         raise HessianError("non-finite scales")
-                    weight, dead = res.weight, res.dead_columns
+                    weight = res.weight
                 info = {"dampening_frac": damp}
-                if dead:
-                    info["dead_columns"] = dead
-                return weight, info
+                if res.dead_columns:
+                    info["dead_columns"] = res.dead_columns
+                return weight, info, res.error
             except HessianError as exc:
                 if attempt == cfg.dampening_retries:
                     break
@@ -240,13 +245,15 @@ class GPTQ(Algorithm):
             fallback = ggml.nearest(torch.cat(weights), self.scheme)
         else:
             fallback = rtn(torch.cat(weights), self.scheme, scale_dtype)
-        return fallback, {"fallback": "rtn", "dampening_frac": damp}
+        return fallback, {"fallback": "rtn", "dampening_frac": damp}, None
 
-    def _metrics(self, W: torch.Tensor, qw, nearest, H: torch.Tensor, solve: dict) -> dict:
-        """Hessian-weighted error of the result, and relative to round-to-nearest's on the same weight."""
+    def _metrics(self, W: torch.Tensor, qw, nearest, H: torch.Tensor, solve: dict, error: Optional[SolveError],
+                 rows: slice) -> dict:
+        """Hessian-weighted error of the result (from the solve's own tally; `rows`: this linear's rows in the
+        solved stack), and relative to round-to-nearest's on the same weight."""
         if solve.get("fallback"):
             return solve
-        gptq_err = hessian_error(W, qw.dequantize(), H)
+        gptq_err = error.hessian_error(W, qw.dequantize(), rows)
         rtn_err = hessian_error(W, nearest.dequantize(), H)
         ratio = round(gptq_err / rtn_err, 4) if rtn_err > 0 else None
         return {"hessian_error": gptq_err, "hessian_error_vs_rtn": ratio, **solve}
