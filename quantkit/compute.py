@@ -230,7 +230,7 @@ def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setti
             and float32_fits is not None and not float32_fits()):
         # float32 would double a model that fits only as stored: keep its dtype, and where the CPU is slow in it,
         # run its GEMMs widened (float32 speed, 16-bit memory); one-token steps stay native (a GEMV widened
-        # converts the whole weight per token: 7-9x slower than either)
+        # converts the whole weight per token: measured several times slower than native)
         return ComputeChoice(storage, dev, f"{why}, but the model would not fit in memory in float32: computing in "
                                            f"{_name(storage)}, as stored", "auto",
                              wide_matmuls=storage not in fast)

@@ -77,7 +77,7 @@ def hessian_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> floa
 
     H is symmetric, so only its upper triangle is multiplied, a block of columns at a time: with D = W - W_hat,
     the trace is the sum over column blocks a of D_a H_aa D_a^T + 2 D_a H_a,>a D_>a^T, about half the
-    multiply-adds of (D H) * D (measured on an 8B down_proj, 4096 x 14336: 4.8 against 8.3 s)."""
+    multiply-adds of (D H) * D (an 8B down_proj, 4096 x 14336, back to back: 4.2 against 5.7 s)."""
     H = H.float()
     out_f, n = W.shape
     block = max(ERROR_BLOCK, n // 8)
