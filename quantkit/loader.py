@@ -60,9 +60,10 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     raw = read_config(path)
     qc = raw.get("quantization_config")
     plan = parse_quantization_config(qc, f"{path}/config.json") if qc else None
+    stored = checkpoint_dtype(raw)
     # (offloaded to disk, only one layer is ever in memory: float32 then always fits)
     fits = (lambda: True) if str(offload).strip().lower() == "disk" else (lambda: _fits_in_float32(path))
-    choice = compute_choice(dtype, checkpoint_dtype(raw), where.device, workload, float32_fits=fits)
+    choice = compute_choice(dtype, stored, where.device, workload, float32_fits=fits)
     dtype = choice.dtype
     config = model_config(path, raw)
     if hasattr(config, "quantization_config"):
@@ -84,7 +85,6 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     try:
         offloading = offload_mod.choose(offload, offload_mod.in_memory_bytes(ckpt, dtype, owner_quantized))
     except offload_mod.DoesNotFitError as exc:
-        stored = checkpoint_dtype(raw)
         half = ([f"--dtype {str(stored).removeprefix('torch.')} keeps its weights as stored, in half the memory"]
                 if dtype == torch.float32 and stored.itemsize == 2 else [])
         raise offload_mod.DoesNotFitError(f"{path} ({choice.describe()}): {exc.what}", exc.fixes + half) from None

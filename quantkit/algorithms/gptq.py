@@ -149,13 +149,13 @@ class GPTQ(Algorithm):
             result[name] = qw[name] if isinstance(qw, dict) else _rows(qw, rows)
             if input_scale is not None:
                 result[name].input_scale = input_scale
-            report[name] = self._metrics(linears[name].weight.data, result[name], nearest[name], H, solve, error, rows)
+            report[name], rtn_err = self._metrics(linears[name].weight.data, result[name], nearest[name], H, solve,
+                                                  error, rows)
             if self.scheme.grid is not None and (report[name].get("hessian_error_vs_rtn") or 0.0) > 1.0:
                 # a GGUF grid, weights already on it (a model converted from this very GGUF type): ggml's own
                 # rounding is near exact and GPTQ's compensation only adds error; keep the better of the two
                 result[name] = nearest[name]
-                err = hessian_error(linears[name].weight.data, nearest[name].dequantize(), H)
-                report[name] = {**report[name], "hessian_error": err, "hessian_error_vs_rtn": 1.0,
+                report[name] = {**report[name], "hessian_error": rtn_err, "hessian_error_vs_rtn": 1.0,
                                 "kept": "nearest (GPTQ's Hessian-weighted error was higher)"}
             start = rows.stop
         return result, report
@@ -248,15 +248,15 @@ class GPTQ(Algorithm):
         return fallback, {"fallback": "rtn", "dampening_frac": damp}, None
 
     def _metrics(self, W: torch.Tensor, qw, nearest, H: torch.Tensor, solve: dict, error: Optional[SolveError],
-                 rows: slice) -> dict:
+                 rows: slice) -> tuple[dict, Optional[float]]:
         """Hessian-weighted error of the result (from the solve's own tally; `rows`: this linear's rows in the
-        solved stack), and relative to round-to-nearest's on the same weight."""
+        solved stack), and relative to round-to-nearest's on the same weight; and that RTN error."""
         if solve.get("fallback"):
-            return solve
+            return solve, None
         gptq_err = error.hessian_error(W, qw.dequantize(), rows)
         rtn_err = hessian_error(W, nearest.dequantize(), H)
         ratio = round(gptq_err / rtn_err, 4) if rtn_err > 0 else None
-        return {"hessian_error": gptq_err, "hessian_error_vs_rtn": ratio, **solve}
+        return {"hessian_error": gptq_err, "hessian_error_vs_rtn": ratio, **solve}, rtn_err
 
 
 def _fp8_rows(codes: torch.Tensor, nearest: dict[str, Fp8Weight]) -> dict[str, Fp8Weight]:

@@ -10,11 +10,11 @@ below). `WideMatmuls` computes the same thing on the float32 kernels: widen the 
 attention, norms, storage) stays 16-bit.
 
 `compute.choose` decides where this applies (`ComputeChoice.wide_matmuls`: a 16-bit dtype asked
-for on a CPU that does not compute it fast); calibration runs inside `widened(choice)`, and the
-loader wraps a model's forwards with `wrap_forward`. Widening a large weight costs a fresh float32
-allocation per call; converting it block by block into a reused buffer was tried and measured slower
-(a 14336 x 4096 linear at 256 rows: 1264 ms against 475 ms whole, beside another job; narrow GEMMs
-and strided copies).
+for on a CPU that does not compute it fast, or a 16-bit model that fits in memory only as stored);
+calibration runs inside `widened(choice)`, and the loader wraps a model's forwards with
+`wrap_forward`. Widening a large weight costs a fresh float32 allocation per call; converting it
+block by block into a reused buffer was tried and measured slower (a 14336 x 4096 linear at 256
+rows: 1264 ms against 475 ms whole, beside another job; narrow GEMMs and strided copies).
 """
 
 from __future__ import annotations

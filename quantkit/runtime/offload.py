@@ -81,10 +81,10 @@ def choose(mode: Optional[str], model_bytes: int, available: Optional[int] = Non
         raise OffloadError(f"--offload {mode!r}: use one of {', '.join(MODES)}")
     gb = model_bytes / 1e9
     if mode == "none":  # loaded whole as asked, unless it cannot fit even with the swap: an error, not an OOM kill
-        room = available_memory() if available is None else available
-        if room is not None and model_bytes > room + free_swap():
+        room, swap = (available_memory() if available is None else available), free_swap()
+        if room is not None and model_bytes > room + swap:
             raise DoesNotFitError(f"the model takes {gb:.2f} GB in memory, more than the {room / 1e9:.2f} GB "
-                                  f"available (and {free_swap() / 1e9:.2f} GB of free swap)",
+                                  f"available (and {swap / 1e9:.2f} GB of free swap)",
                                   ["--offload auto (or disk) loads its decoder layers from disk one at a time"])
     if mode != "auto":
         return OffloadChoice(mode, "asked for" + (f" (model {gb:.2f} GB in memory)" if mode == "none" else ""),
