@@ -25,9 +25,9 @@ def spy(monkeypatch):
     calls = []
     real = wide_matmul.widened_call
 
-    def counting(func, args, kwargs):
+    def counting(func, args, kwargs, scratch=None):
         calls.append(func)
-        return real(func, args, kwargs)
+        return real(func, args, kwargs, scratch)
 
     monkeypatch.setattr(wide_matmul, "widened_call", counting)
     return calls
@@ -100,6 +100,44 @@ def test_nested_widening_pushes_one_mode(spy):
     assert torch._C._len_torch_function_stack() == depth
     F.linear(x, w)  # outside: native
     assert len(spy) == 2
+
+
+def test_large_operands_are_widened_into_one_reused_buffer_released_on_exit(monkeypatch):
+    monkeypatch.setattr(wide_matmul, "SCRATCH_MIN", 80 * 96)  # the weights below; x (64 x 96) and w2 too
+    x, w, b = _operands(torch.bfloat16)
+    w2 = torch.randn(80, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    mode = WideMatmuls(torch.bfloat16)
+    with mode:
+        first = F.linear(x, w, b)
+        buffer = mode.scratch.buffer
+        assert buffer is not None and buffer.numel() == 80 * 96
+        second = x @ w2.t()                          # a strided view of another weight, same size: same buffer
+        assert mode.scratch.buffer is buffer
+        with torch.inference_mode():
+            third = F.linear(x, w)                   # the buffer written in inference mode ...
+        fourth = F.linear(x, w, b)                   # ... and out of it again
+        assert mode.scratch.buffer is buffer
+        wide = torch.cat([x, x])                     # a larger operand grows it
+        fifth = F.linear(wide, w)
+        assert mode.scratch.buffer.numel() == 2 * 64 * 96
+    assert mode.scratch.buffer is None               # nothing held once the mode is left
+    assert torch.equal(first, F.linear(x.float(), w.float(), b.float()).bfloat16())
+    assert torch.equal(second, (x.float() @ w2.float().t()).bfloat16())
+    assert torch.equal(third, F.linear(x.float(), w.float()).bfloat16())
+    assert torch.equal(fourth, first)
+    assert torch.equal(fifth, F.linear(wide.float(), w.float()).bfloat16())
+
+
+def test_operands_autograd_keeps_are_not_widened_into_the_reused_buffer(monkeypatch):
+    monkeypatch.setattr(wide_matmul, "SCRATCH_MIN", 1)
+    x, w, _ = _operands(torch.bfloat16)
+    other = torch.randn_like(w)
+    x.requires_grad_(True)
+    with WideMatmuls(torch.bfloat16):
+        y = F.linear(x, w)          # backward needs w: a later product must not overwrite it
+        F.linear(x.detach(), other)
+        y.float().sum().backward()
+    assert torch.equal(x.grad, w.float().sum(0).bfloat16().expand_as(x))
 
 
 # -- where the policy asks for it ----------------------------------------------------------------

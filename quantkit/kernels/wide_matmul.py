@@ -12,9 +12,11 @@ attention, norms, storage) stays 16-bit.
 `compute.choose` decides where this applies (`ComputeChoice.wide_matmuls`: a 16-bit dtype asked
 for on a CPU that does not compute it fast, or a 16-bit model that fits in memory only as stored);
 calibration runs inside `widened(choice)`, and the loader wraps a model's forwards with
-`wrap_forward`. Widening a large weight costs a fresh float32 allocation per call; converting it
-block by block into a reused buffer was tried and measured slower (a 14336 x 4096 linear at 256
-rows: 1264 ms against 475 ms whole, beside another job; narrow GEMMs and strided copies).
+`wrap_forward`. A large operand (a weight) is widened into one float32 buffer that the mode keeps
+for as long as it is entered: a fresh 64-235 MB allocation per call cost more in page faults than
+the conversion itself (an AVX-512 Xeon without AMX, 4096 x 4096 at 64 / 256 rows: 34.0 / 56.3 ms
+fresh, 15.7 / 40.6 reused, native bf16 14.6 / 52.3; converting block by block into a small buffer
+was slower still: narrow GEMMs and strided copies).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ MATMULS = frozenset({
 # 512 rows 7200 vs 3600 (the first shape); the 100x-slow bf16 of an AVX2 EPYC gains at every size
 MIN_ROWS = 64
 
+# an operand with this many elements is widened into the mode's reused buffer rather than a fresh tensor
+# (smaller ones come from the allocator's warm heap, where reusing gains nothing: a 1536 x 576 weight)
+SCRATCH_MIN = 1 << 20
+
 _BIAS_FIRST = frozenset({torch.addmm, torch.Tensor.addmm, torch.baddbmm, torch.Tensor.baddbmm})  # (bias, a, b)
 _active = threading.local()  # the dtypes this thread already widens (one mode per dtype is enough)
 
@@ -57,19 +63,44 @@ def _tensors(args, kwargs) -> Iterator[torch.Tensor]:
             yield from (t for t in a if isinstance(t, torch.Tensor))
 
 
-def _widen(a):
+class Scratch:
+    """One float32 buffer, grown to the largest operand asked for, that widened operands are copied into."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def holding(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` widened to float32 in the buffer (contiguous, t's shape); valid until the next call."""
+        n = t.numel()
+        if self.buffer is None or self.buffer.numel() < n:
+            self.buffer = None  # the old one goes before the new one comes
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+                self.buffer = torch.empty(n, dtype=torch.float32)
+        return self.buffer[:n].view(t.shape).copy_(t)
+
+    def release(self) -> None:
+        self.buffer = None
+
+
+def _widen(a, big, scratch):
     if isinstance(a, torch.Tensor):
-        return a.float()
+        return scratch.holding(a) if a is big else a.float()
     if isinstance(a, (list, tuple)):
-        return type(a)(_widen(t) for t in a)
+        return type(a)(_widen(t, big, scratch) for t in a)
     return a
 
 
-def widened_call(func, args: tuple, kwargs: dict):
-    """`func(*args, **kwargs)` with every 16-bit operand widened to float32 and the product rounded back."""
-    dtype = next(_tensors(args, kwargs)).dtype
-    out = func(*(_widen(a) for a in args), **{k: _widen(v) for k, v in kwargs.items()})
-    return out.to(dtype)
+def widened_call(func, args: tuple, kwargs: dict, scratch: Scratch | None = None):
+    """`func(*args, **kwargs)` with every 16-bit operand widened to float32 and the product rounded back.
+    With `scratch`, the largest operand (from SCRATCH_MIN elements) is widened into its buffer, unless
+    autograd would keep it for a backward pass (the next call overwrites it)."""
+    tensors = list(_tensors(args, kwargs))
+    big = max(tensors, key=torch.Tensor.numel)
+    if (scratch is None or big.numel() < SCRATCH_MIN
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+        big = None
+    out = func(*(_widen(a, big, scratch) for a in args), **{k: _widen(v, big, scratch) for k, v in kwargs.items()})
+    return out.to(tensors[0].dtype)  # float32 -> 16 bits: a new tensor, never a view of the buffer
 
 
 def rows(t: torch.Tensor) -> int:
@@ -96,12 +127,17 @@ class WideMatmuls(TorchFunctionMode):
         super().__init__()
         assert dtype in WIDENED_DTYPES, f"only 16-bit matmuls are widened, not {dtype}"
         self.dtype = dtype
+        self.scratch = Scratch()  # this thread's: a mode is entered on one thread's stack
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if wants_widening(func, args, kwargs, self.dtype):
-            return widened_call(func, args, kwargs)
+            return widened_call(func, args, kwargs, self.scratch)
         return func(*args, **kwargs)
+
+    def __exit__(self, *exc):
+        self.scratch.release()  # the buffer lives as long as the mode is entered
+        return super().__exit__(*exc)
 
 
 @contextlib.contextmanager
