@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.algorithms.gptq import GPTQ, GPTQConfig
+from quantkit.algorithms.gptq import GPTQ, GPTQConfig, _rows
 from quantkit.quant.fp8 import expanded_scale, quantize_weight
 from quantkit.quant.gptq import HessianError, gptq_quantize, gptq_quantize_fp8, hessian_error, inverse_hessian_factor
 from quantkit.quant.hessian import HessianAccumulator
@@ -282,7 +282,7 @@ def test_every_solver_gives_the_same_weights_from_a_parked_hessian():
 PARKING = """
 import json
 import torch
-from quantkit.algorithms.gptq import GPTQ, GPTQConfig
+from quantkit.algorithms.gptq import GPTQ, GPTQConfig, _rows
 from quantkit.memory import PeakSampler, live_heap_bytes
 from quantkit.quant.hessian import HessianAccumulator
 from quantkit.schemes import QuantScheme
@@ -408,3 +408,36 @@ def test_every_solver_tallies_the_error_it_leaves():
             direct = _full_trace(W[rows], W_hat[rows], H)
             tallied = res.error.hessian_error(W[rows], W_hat[rows], rows)
             assert abs(tallied / direct - 1) < 1e-4, (name, rows, tallied, direct)
+
+
+def test_quantized_weights_dequantize_any_slice_of_rows_as_the_whole_does():
+    """The error sums dequantize a slice of rows at a time (no whole float32 copy at the layer's peak): every
+    weight type's rows, at any start and stop (an FP8 block's rows included), are those of the whole."""
+    from quantkit.quant.ggml import nearest as ggml_nearest
+    from quantkit.schemes import resolve_scheme
+
+    W = torch.randn(300, 256, generator=torch.Generator().manual_seed(3))
+    weights = {f"{i} {s.short()}": rtn(W, s, torch.bfloat16) for i, s in enumerate(SCHEMES)}
+    for strategy, block in (("tensor", None), ("channel", None), ("block", (128, 128))):
+        weights[f"fp8 {strategy}"] = quantize_weight(W, strategy, torch.bfloat16, block)
+    for grid in ("Q4_K", "Q6_K", "Q5_0"):
+        weights[grid] = ggml_nearest(W, resolve_scheme(grid, {}))
+    for name, qw in weights.items():
+        whole = qw.dequantize()
+        for start, stop in ((0, 300), (0, 1), (5, 133), (128, 256), (250, 300), (299, 300)):
+            assert torch.equal(qw.dequantize_rows(start, stop), whole[start:stop]), (name, start, stop)
+        assert qw.dequantize_rows(0, 7, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_the_error_sums_of_a_quantized_weight_are_those_of_its_dequantized_copy(monkeypatch):
+    from quantkit.quant import gptq as gptq_maths
+
+    monkeypatch.setattr(gptq_maths, "ERROR_ELEMENTS", 7 * 256)  # several slices of rows, one ragged
+    W, H = _problem(out=48, n=256)
+    scheme = SCHEMES[0]
+    res = gptq_quantize([W], H, scheme, torch.bfloat16, block_size=32)
+    near = rtn(W, scheme, torch.bfloat16)
+    assert hessian_error(W, near, H) == hessian_error(W, near.dequantize(), H)
+    rows = slice(8, 48)
+    assert res.error.hessian_error(W[rows], _rows(res.weight, rows), rows) == \
+        res.error.hessian_error(W[rows], res.weight.dequantize()[rows], rows)

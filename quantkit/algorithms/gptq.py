@@ -253,8 +253,8 @@ class GPTQ(Algorithm):
         solved stack), and relative to round-to-nearest's on the same weight; and that RTN error."""
         if solve.get("fallback"):
             return solve, None
-        gptq_err = error.hessian_error(W, qw.dequantize(), rows)
-        rtn_err = hessian_error(W, nearest.dequantize(), H)
+        gptq_err = error.hessian_error(W, qw, rows)  # (the weights dequantized a slice of rows at a time)
+        rtn_err = hessian_error(W, nearest, H)
         ratio = round(gptq_err / rtn_err, 4) if rtn_err > 0 else None
         return {"hessian_error": gptq_err, "hessian_error_vs_rtn": ratio, **solve}, rtn_err
 

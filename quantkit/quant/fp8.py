@@ -58,6 +58,19 @@ class Fp8Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_weight(self.q, self.scale, self.strategy, self.block, dtype)
 
+    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`dequantize()[start:stop]`, computing only those rows (a block strategy's from the block rows
+        they fall in)."""
+        if self.strategy == "block":
+            bn, bk = self.block
+            first = start // bn  # the slab of whole block rows holding start..stop
+            slab = self.q[first * bn : stop]
+            s = self.scale[first : -(-stop // bn)].float().repeat_interleave(bn, 0)[: slab.shape[0]]
+            s = s.repeat_interleave(bk, 1)[:, : slab.shape[1]]
+            return (slab.float() * s)[start - first * bn :].to(dtype)
+        scale = self.scale[start:stop] if self.strategy == "channel" else self.scale
+        return dequantize_weight(self.q[start:stop], scale, self.strategy, self.block, dtype)
+
 
 def _block_view(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """[out, in] -> [out/bn, bn, in/bk, bk], zero-padded to whole blocks."""

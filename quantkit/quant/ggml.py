@@ -70,6 +70,10 @@ class GGMLWeight:
             x = x - offset.unsqueeze(-1)
         return x.reshape(out, n).to(dtype)
 
+    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`dequantize()[start:stop]`, computing only those rows."""
+        return self.rows(slice(start, stop)).dequantize(dtype)
+
     def to_blocks(self) -> np.ndarray:
         """The weight as GGUF's bytes, uint8 [out, bytes per row]."""
         q = self.q.cpu().numpy()

@@ -46,17 +46,19 @@ class SolveError:
     damp: float  # added to diag(H) by the solve
     dead: torch.Tensor  # bool [in]: columns no input reached (H zero there; the solver zeroed them)
 
-    def hessian_error(self, W: torch.Tensor, W_hat: torch.Tensor, rows: slice = slice(None)) -> float:
+    def hessian_error(self, W: torch.Tensor, W_hat, rows: slice = slice(None)) -> float:
         """tr((W - W_hat) H (W - W_hat)^T) for these rows of the solved weight (W: the original rows, W_hat: the
-        dequantized result), equal to `hessian_error(W, W_hat, H)` up to float rounding."""
+        result, dequantized or quantized (see `_row_source`)), equal to `hessian_error(W, W_hat, H)` up to
+        float rounding."""
         live = dead = 0.0
         any_dead = bool(self.dead.any())
         out_f, n = W.shape
         step = min(_error_rows(n), out_f)
         buf = torch.empty(step * n, dtype=torch.float32, device=W.device)
+        w_hat = _row_source(W_hat)
         for r in range(0, out_f, step):
             k = min(step, out_f - r)
-            W_hat_r = W_hat[r : r + k].float()
+            W_hat_r = w_hat(r, r + k)
             D = torch.sub(W[r : r + k].float(), W_hat_r, out=buf[: k * n].view(k, n))
             if any_dead:
                 D[:, self.dead] = 0.0  # H counts nothing there
@@ -72,8 +74,9 @@ class GPTQResult:
     error: SolveError
 
 
-def hessian_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
-    """tr((W - W_hat) H (W - W_hat)^T): the layer-output error GPTQ minimises (up to a constant).
+def hessian_error(W: torch.Tensor, W_hat, H: torch.Tensor) -> float:
+    """tr((W - W_hat) H (W - W_hat)^T): the layer-output error GPTQ minimises (up to a constant). W_hat: the
+    dequantized weight, or a quantized one, dequantized a slice of rows at a time (`_row_source`).
 
     H is symmetric, so only its upper triangle is multiplied, a block of columns at a time: with D = W - W_hat,
     the trace is the sum over column blocks a of D_a H_aa D_a^T + 2 D_a H_a,>a D_>a^T, about half the
@@ -85,10 +88,11 @@ def hessian_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> floa
     # three buffers for every slice and block (temporaries made afresh, under glibc's mmap threshold, were left
     # scattered in the heap: +110 MB resident at an 8B layer's peak)
     D_buf, P_buf, M_buf = (torch.empty(step * n, dtype=torch.float32, device=W.device) for _ in range(3))
+    w_hat = _row_source(W_hat)
     total = 0.0
     for r in range(0, out_f, step):
         k = min(step, out_f - r)
-        D = torch.sub(W[r : r + k].float(), W_hat[r : r + k].float(), out=D_buf[: k * n].view(k, n))  # [k, in]
+        D = torch.sub(W[r : r + k].float(), w_hat(r, r + k), out=D_buf[: k * n].view(k, n))  # [k, in]
         for j in range(0, n, block):
             e = min(j + block, n)
             # this block's rows of the upper triangle
@@ -97,6 +101,15 @@ def hessian_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> floa
             if e < n:
                 total += 2.0 * float(torch.mul(P[:, e - j :], D[:, e:], out=M_buf[: k * (n - e)].view(k, n - e)).sum())
     return total
+
+
+def _row_source(W_hat):
+    """rows(start, stop) -> float32 rows of W_hat: slices of a dense tensor, or rows dequantized on demand from a
+    quantized weight (`dequantize_rows`), so that a whole float32 copy (and dequantization's two or three
+    whole-size temporaries: an 8B down_proj's 235 MB each, at the layer's memory peak) is never made."""
+    if isinstance(W_hat, torch.Tensor):
+        return lambda start, stop: W_hat[start:stop].float()
+    return W_hat.dequantize_rows
 
 
 def _error_rows(n: int) -> int:

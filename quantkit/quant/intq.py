@@ -30,6 +30,11 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.q, self.scale, self.zero_point, self.scheme, dtype)
 
+    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`dequantize()[start:stop]`, computing only those rows (an error sum a slice at a time)."""
+        zp = None if self.zero_point is None else self.zero_point[start:stop]
+        return dequantize(self.q[start:stop], self.scale[start:stop], zp, self.scheme, dtype)
+
 
 def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     out, inp = w.shape
