@@ -441,3 +441,22 @@ def test_the_error_sums_of_a_quantized_weight_are_those_of_its_dequantized_copy(
     rows = slice(8, 48)
     assert res.error.hessian_error(W[rows], _rows(res.weight, rows), rows) == \
         res.error.hessian_error(W[rows], res.weight.dequantize()[rows], rows)
+
+
+@pytest.mark.parametrize("strategy, block", [("tensor", None), ("channel", None), ("block", (16, 32))])
+@pytest.mark.parametrize("actorder", [False, True])
+def test_fp8_gptq_on_compact_scales_is_gptq_on_expanded_ones(strategy, block, actorder):
+    """GPTQ's FP8 solve reads a column's scales from the compact [out, groups] form (never W's shape in
+    float32): the same codes as on the scales expanded to every element, for every strategy and order."""
+    from quantkit.quant.fp8 import column_scales
+
+    W, H = _problem(out=40, n=200)  # 200 columns: a ragged last block; 40 rows: a ragged last block row
+    nearest = quantize_weight(W, strategy, torch.bfloat16, block)
+    scale, width = column_scales(nearest)
+    assert scale.shape == (40, -(-200 // width)) and scale.numel() <= 40 * 7
+    compact = gptq_quantize_fp8(W, H, scale, block_size=32, actorder=actorder, columns_per_scale=width)
+    expanded = gptq_quantize_fp8(W, H, expanded_scale(nearest), block_size=32, actorder=actorder)
+    assert torch.equal(compact.weight.view(torch.uint8), expanded.weight.view(torch.uint8))
+    assert torch.equal(compact.error.damped_rows, expanded.error.damped_rows)
+    with pytest.raises(ValueError, match="columns_per_scale"):
+        gptq_quantize_fp8(W, H, scale, columns_per_scale=1 if width > 1 else 7)

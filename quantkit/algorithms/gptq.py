@@ -21,7 +21,7 @@ from quantkit import distributed
 from quantkit.errors import QuantizationError, RecipeError
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.algorithms.fp8 import StaticInputScales, nearest_fp8
-from quantkit.quant.fp8 import Fp8Weight, expanded_scale
+from quantkit.quant.fp8 import Fp8Weight, column_scales
 from quantkit.quant import ggml
 from quantkit.quant.gptq import (HessianError, SolveError, gptq_quantize, gptq_quantize_fp8, gptq_quantize_ggml,
                                  hessian_error)
@@ -207,10 +207,11 @@ class GPTQ(Algorithm):
         for attempt in range(cfg.dampening_retries + 1):
             try:
                 if self.scheme.is_fp8:
-                    scale = torch.cat([expanded_scale(qw) for qw in nearest.values()])
+                    scales = [column_scales(qw) for qw in nearest.values()]  # one scheme: one width for all
+                    scale, width = torch.cat([s for s, _ in scales]), scales[0][1]
                     # [sum(out), in], the solver's working copy (overwrite): held by the solver only, which frees it
                     res = gptq_quantize_fp8(torch.cat(weights), H, scale, cfg.block_size, damp, actorder,
-                                            overwrite=True)
+                                            overwrite=True, columns_per_scale=width)
                     weight = _fp8_rows(res.weight, nearest)
                 elif ggml.is_block_grid(self.scheme):
                     res = gptq_quantize_ggml(weights, H, self.scheme, cfg.block_size, damp,

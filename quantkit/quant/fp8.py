@@ -181,6 +181,17 @@ def expanded_scale(qw: "Fp8Weight") -> torch.Tensor:
     return qw.scale.float().expand(qw.q.shape)
 
 
+def column_scales(qw: "Fp8Weight") -> tuple[torch.Tensor, int]:
+    """qw's scale as (S, width): float32 [out, groups of columns], each column c scaled by S[:, c // width]
+    (a tensor's or a channel's scale: one group of all the columns; a block's: its bk columns). The
+    compact form of `expanded_scale` that GPTQ's FP8 solve reads a column at a time."""
+    out, inp = qw.q.shape
+    if qw.strategy == "block":
+        bn, bk = qw.block
+        return qw.scale.float().repeat_interleave(bn, 0)[:out], bk
+    return qw.scale.float().reshape(-1, 1).expand(out, 1), inp
+
+
 def mse_scale(samples: torch.Tensor, absmax: float, scale_dtype: torch.dtype, grid: int = 40,
               max_shrink: float = 0.6) -> torch.Tensor:
     """The static scale absmax * f / 448, f in (1 - max_shrink, 1], whose quantize-dequantize

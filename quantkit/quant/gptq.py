@@ -302,32 +302,36 @@ def gptq_quantize_fp8(
     dampening_frac: float = 0.01,
     actorder: bool = False,
     overwrite: bool = False,
-) -> tuple[torch.Tensor, int]:
-    """e4m3 codes [out, in] of W [out, in] on the fixed per-element scales `scale` [out, in] (a
-    per-tensor, per-channel or per-block scale expanded to W's shape), and the count of dead columns.
+    columns_per_scale: int = 1,
+) -> GPTQResult:
+    """e4m3 codes [out, in] of W [out, in] on fixed scales, and the count of dead columns. `scale`
+    [out, ceil(in / columns_per_scale)] scales column c by scale[:, c // columns_per_scale]: a per-element
+    [out, in] scale as it stands, or the compact form of a tensor's, channel's or block's
+    (`quant.fp8.column_scales`), which never expands to W's shape (an 8B gate/up pair's: 470 MB).
 
     Dequantized value = code x scale, as in `quantkit.quant.fp8`. The scales stay those given (the
     nearest rounding's), so the codes can replace the nearest codes in the same checkpoint layout.
     """
     W, diag, dead = _prepare(W, H, overwrite)
     out_f, n = W.shape
-    if scale.shape != W.shape:
-        raise ValueError(f"scale must be expanded to the weight's shape {tuple(W.shape)}, got {tuple(scale.shape)}")
+    if scale.shape != (out_f, -(-n // columns_per_scale)):
+        raise ValueError(f"scale must be [out, in / columns_per_scale] = [{out_f}, {-(-n // columns_per_scale)}] "
+                         f"for a weight of {tuple(W.shape)}, got {tuple(scale.shape)}")
     perm = _order(diag, actorder)
     if actorder:
         W = W[:, perm]
     Hinv = inverse_hessian_factor(H, dampening_frac, perm if actorder else None, dead)
-    s_cols = scale.float()[:, perm].t().contiguous()  # [in, out]: the scales of each (permuted) column
+    s_groups = scale.float().t().contiguous()  # [groups, out]
+    group_of = (perm // columns_per_scale).tolist()  # each (permuted) column's scale group
 
     def round_column(j: int, W1: torch.Tensor, i: int, q: torch.Tensor, deq: torch.Tensor) -> None:
-        s = s_cols[j]
+        s = s_groups[group_of[j]]
         torch.div(W1[i], s, out=q)
         q.copy_(q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))  # nearest e4m3, saturating (exact in float32)
         torch.mul(q, s, out=deq)
 
     Qt, row_error = _solve_columns(W, Hinv, block_size, round_column, FP8_DTYPE)
     del W, Hinv
-    s_cols = None  # (the closure's cell: the expanded scales go too)
     codes = _codes_in_order(Qt, perm if actorder else None).view(FP8_DTYPE)  # [out, in], original column order
     return GPTQResult(codes, int(dead.sum()), _solve_error(row_error, diag, perm, dampening_frac, dead))
 
