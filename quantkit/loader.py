@@ -62,7 +62,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     plan = parse_quantization_config(qc, f"{path}/config.json") if qc else None
     stored = checkpoint_dtype(raw)
     # (offloaded to disk, only one layer is ever in memory: float32 then always fits)
-    fits = (lambda: True) if str(offload).strip().lower() == "disk" else (lambda: _fits_in_float32(path))
+    fits = (lambda: True) if offload_mod.mode_of(offload) == "disk" else (lambda: _fits_in_float32(path))
     choice = compute_choice(dtype, stored, where.device, workload, float32_fits=fits)
     dtype = choice.dtype
     config = model_config(path, raw)

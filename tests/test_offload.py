@@ -99,6 +99,15 @@ def test_auto_offloads_only_what_does_not_fit():
         offload.choose("none", 10**12, 1)
     with pytest.raises(offload.OffloadError, match=r"--offload 'ram': use one of none, disk, auto"):
         offload.choose("ram", 1)
+    assert [offload.mode_of(m) for m in (None, " Disk ", "AUTO")] == ["none", "disk", "auto"]
+
+
+def test_a_bad_offload_mode_is_refused_before_the_model_is_read(checkpoints, monkeypatch):
+    from quantkit import loader
+
+    monkeypatch.setattr(loader, "_fits_in_float32", lambda path: pytest.fail("read the model first"))
+    with pytest.raises(offload.OffloadError, match=r"--offload 'ram': use one of none, disk, auto"):
+        quantkit.load(checkpoints["llama"], offload="RAM")
 
 
 def test_loading_whole_what_cannot_fit_is_an_error_naming_the_model_and_the_fix(checkpoints, monkeypatch):

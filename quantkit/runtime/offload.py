@@ -74,11 +74,17 @@ def in_memory_bytes(ckpt: LazyCheckpoint, compute_dtype: torch.dtype, quantized_
     return total
 
 
+def mode_of(mode: Optional[str]) -> str:
+    """An --offload value as one of MODES (None: "none"; case and spaces ignored), or OffloadError."""
+    normal = (mode or "none").strip().lower()
+    if normal not in MODES:
+        raise OffloadError(f"--offload {normal!r}: use one of {', '.join(MODES)}")
+    return normal
+
+
 def choose(mode: Optional[str], model_bytes: int, available: Optional[int] = None) -> OffloadChoice:
     """none / disk as asked; auto: disk only when the whole model would not fit."""
-    mode = (mode or "none").strip().lower()
-    if mode not in MODES:
-        raise OffloadError(f"--offload {mode!r}: use one of {', '.join(MODES)}")
+    mode = mode_of(mode)
     gb = model_bytes / 1e9
     if mode == "none":  # loaded whole as asked, unless it cannot fit even with the swap: an error, not an OOM kill
         room, swap = (available_memory() if available is None else available), free_swap()
