@@ -84,7 +84,8 @@ def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, 
         print(f"  {phase:<42} {seconds:8.1f} s")
     out_size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
     live_line = f"; peak live allocations {(peak.peak - base) / 1e9:.2f} GB above the start" if live else ""
-    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.2f} GB (sampled {peak.peak_rss / 1e9:.2f} GB)"
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.2f} GB (sampled {peak.peak_rss / 1e9:.2f} GB, "
+          f"{peak.file_at_peak / 1e9:.2f} GB of it file-backed)"
           f"{live_line}")
     print(f"peak reached in: {peak.peak_where or '(unknown)'}")
     print(report.closing_line())

@@ -82,12 +82,13 @@ class PeakSampler:
     and benchmarks only: mallinfo2 walks the allocator's arenas under their locks and slows an
     allocation-heavy job severalfold. With `where`, `peak_where` says what the main thread was doing
     when resident memory reached its peak (its innermost quantkit frames, read again at each new peak
-    at least WHERE_STEP above the last one read)."""
+    at least WHERE_STEP above the last one read). `file_at_peak`: how much of the peak was file-backed
+    (statm's shared pages: memory-mapped checkpoint pages, which the kernel can drop, not allocations)."""
 
     WHERE_STEP = 4 << 20
 
     def __init__(self, interval: float = 0.002, live: bool = True, where: bool = False):
-        self.interval, self.live, self.peak, self.peak_rss = interval, live, 0, 0
+        self.interval, self.live, self.peak, self.peak_rss, self.file_at_peak = interval, live, 0, 0, 0
         self.where, self.peak_where, self._where_at = where, "", 0
         self._stop = None
 
@@ -96,10 +97,13 @@ class PeakSampler:
             self.peak = max(self.peak, live_heap_bytes() or 0)
         try:
             with open("/proc/self/statm") as f:
-                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
+                pages = f.read().split()
+            page = os.sysconf("SC_PAGE_SIZE")
+            rss, shared = int(pages[1]) * page, int(pages[2]) * page
+        except (OSError, ValueError, IndexError):
             return
-        self.peak_rss = max(self.peak_rss, rss)
+        if rss > self.peak_rss:
+            self.peak_rss, self.file_at_peak = rss, shared
         if self.where and rss >= self._where_at + self.WHERE_STEP and rss == self.peak_rss:
             self._where_at, self.peak_where = rss, _main_thread_place()
 

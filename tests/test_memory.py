@@ -1,7 +1,9 @@
-"""release_free_memory: glibc's malloc_trim where it exists, a no-op elsewhere."""
+"""quantkit.memory: glibc's malloc_trim where it exists (a no-op elsewhere), and what the peak sampler reads."""
 
 import platform
 import sys
+
+import pytest
 
 from quantkit.memory import release_free_memory
 
@@ -11,3 +13,36 @@ def test_release_free_memory_uses_glibc_where_present():
     del bufs
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert release_free_memory() is glibc
+
+
+def _statm() -> tuple[int, int]:
+    import os
+
+    with open("/proc/self/statm") as f:
+        pages = f.read().split()
+    return int(pages[1]) * os.sysconf("SC_PAGE_SIZE"), int(pages[2]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm")
+def test_the_peak_sampler_says_how_much_of_the_peak_was_file_backed(tmp_path):
+    """Memory-mapped checkpoint pages count in resident memory but are not allocations: the sampler reports
+    their share of the peak (statm's shared pages), so a benchmark can tell the two apart."""
+    import mmap
+
+    import numpy as np
+
+    from quantkit.memory import PeakSampler
+
+    path = tmp_path / "pages.bin"
+    path.write_bytes(b"\1" * (64 << 20))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        _, shared = _statm()
+        with PeakSampler(0.001, live=False) as peak:
+            int(np.frombuffer(mapped, dtype=np.uint8)[::4096].sum())  # one byte a page: every page mapped
+        assert peak.file_at_peak - shared >= 60 << 20
+    rss, shared = _statm()
+    with PeakSampler(0.001, live=False) as anon:
+        block = bytearray(64 << 20)
+        block[::4096] = b"\1" * len(block[::4096])  # written anonymous pages: resident, not file-backed
+    assert anon.peak_rss - rss >= 60 << 20 and anon.file_at_peak - shared < 16 << 20
+    del block
