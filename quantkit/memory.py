@@ -83,7 +83,8 @@ class PeakSampler:
     allocation-heavy job severalfold. With `where`, `peak_where` says what the main thread was doing
     when resident memory reached its peak (its innermost quantkit frames, read again at each new peak
     at least WHERE_STEP above the last one read). `file_at_peak`: how much of the peak was file-backed
-    (statm's shared pages: memory-mapped checkpoint pages, which the kernel can drop, not allocations)."""
+    (statm's shared pages: memory-mapped checkpoint pages, which the kernel can drop, and shared memory;
+    not the allocator's private pages)."""
 
     WHERE_STEP = 4 << 20
 

@@ -40,9 +40,8 @@ def test_the_peak_sampler_says_how_much_of_the_peak_was_file_backed(tmp_path):
         with PeakSampler(0.001, live=False) as peak:
             int(np.frombuffer(mapped, dtype=np.uint8)[::4096].sum())  # one byte a page: every page mapped
         assert peak.file_at_peak - shared >= 60 << 20
-    rss, shared = _statm()
-    with PeakSampler(0.001, live=False) as anon:
-        block = bytearray(64 << 20)
-        block[::4096] = b"\1" * len(block[::4096])  # written anonymous pages: resident, not file-backed
-    assert anon.peak_rss - rss >= 60 << 20 and anon.file_at_peak - shared < 16 << 20
-    del block
+    with mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as block:  # fresh private pages
+        rss, shared = _statm()
+        with PeakSampler(0.001, live=False) as anon:
+            block[::4096] = b"\1" * (16 << 10)  # written: resident, not file-backed
+        assert anon.peak_rss - rss >= 60 << 20 and anon.file_at_peak - shared < 16 << 20
