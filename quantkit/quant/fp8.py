@@ -62,12 +62,11 @@ class Fp8Weight:
         """`dequantize()[start:stop]`, computing only those rows (a block strategy's from the block rows
         they fall in)."""
         if self.strategy == "block":
-            bn, bk = self.block
+            bn = self.block[0]
             first = start // bn  # the slab of whole block rows holding start..stop
-            slab = self.q[first * bn : stop]
-            s = self.scale[first : -(-stop // bn)].float().repeat_interleave(bn, 0)[: slab.shape[0]]
-            s = s.repeat_interleave(bk, 1)[:, : slab.shape[1]]
-            return (slab.float() * s)[start - first * bn :].to(dtype)
+            slab = dequantize_weight(self.q[first * bn : stop], self.scale[first : -(-stop // bn)], "block", self.block,
+                                     dtype)
+            return slab[start - first * bn :]
         scale = self.scale[start:stop] if self.strategy == "channel" else self.scale
         return dequantize_weight(self.q[start:stop], scale, self.strategy, self.block, dtype)
 

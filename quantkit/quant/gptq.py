@@ -48,18 +48,11 @@ class SolveError:
 
     def hessian_error(self, W: torch.Tensor, W_hat, rows: slice = slice(None)) -> float:
         """tr((W - W_hat) H (W - W_hat)^T) for these rows of the solved weight (W: the original rows, W_hat: the
-        result, dequantized or quantized (see `_row_source`)), equal to `hessian_error(W, W_hat, H)` up to
+        result, dequantized or quantized (see `_differences`)), equal to `hessian_error(W, W_hat, H)` up to
         float rounding."""
         live = dead = 0.0
         any_dead = bool(self.dead.any())
-        out_f, n = W.shape
-        step = min(_error_rows(n), out_f)
-        buf = torch.empty(step * n, dtype=torch.float32, device=W.device)
-        w_hat = _row_source(W_hat)
-        for r in range(0, out_f, step):
-            k = min(step, out_f - r)
-            W_hat_r = w_hat(r, r + k)
-            D = torch.sub(W[r : r + k].float(), W_hat_r, out=buf[: k * n].view(k, n))
+        for D, W_hat_r in _differences(W, W_hat):
             if any_dead:
                 D[:, self.dead] = 0.0  # H counts nothing there
                 dead += float(W_hat_r[:, self.dead].square().sum(dtype=torch.float64))  # the solver's error there
@@ -76,7 +69,7 @@ class GPTQResult:
 
 def hessian_error(W: torch.Tensor, W_hat, H: torch.Tensor) -> float:
     """tr((W - W_hat) H (W - W_hat)^T): the layer-output error GPTQ minimises (up to a constant). W_hat: the
-    dequantized weight, or a quantized one, dequantized a slice of rows at a time (`_row_source`).
+    dequantized weight, or a quantized one, dequantized a slice of rows at a time (`_differences`).
 
     H is symmetric, so only its upper triangle is multiplied, a block of columns at a time: with D = W - W_hat,
     the trace is the sum over column blocks a of D_a H_aa D_a^T + 2 D_a H_a,>a D_>a^T, about half the
@@ -85,14 +78,12 @@ def hessian_error(W: torch.Tensor, W_hat, H: torch.Tensor) -> float:
     out_f, n = W.shape
     block = max(ERROR_BLOCK, n // 8)
     step = min(_error_rows(n), out_f)
-    # three buffers for every slice and block (temporaries made afresh, under glibc's mmap threshold, were left
+    # buffers reused for every slice and block (temporaries made afresh, under glibc's mmap threshold, were left
     # scattered in the heap: +110 MB resident at an 8B layer's peak)
-    D_buf, P_buf, M_buf = (torch.empty(step * n, dtype=torch.float32, device=W.device) for _ in range(3))
-    w_hat = _row_source(W_hat)
+    P_buf, M_buf = (torch.empty(step * n, dtype=torch.float32, device=W.device) for _ in range(2))
     total = 0.0
-    for r in range(0, out_f, step):
-        k = min(step, out_f - r)
-        D = torch.sub(W[r : r + k].float(), w_hat(r, r + k), out=D_buf[: k * n].view(k, n))  # [k, in]
+    for D, _ in _differences(W, W_hat):  # [k, in]
+        k = D.shape[0]
         for j in range(0, n, block):
             e = min(j + block, n)
             # this block's rows of the upper triangle
@@ -103,13 +94,18 @@ def hessian_error(W: torch.Tensor, W_hat, H: torch.Tensor) -> float:
     return total
 
 
-def _row_source(W_hat):
-    """rows(start, stop) -> float32 rows of W_hat: slices of a dense tensor, or rows dequantized on demand from a
-    quantized weight (`dequantize_rows`), so that a whole float32 copy (and dequantization's two or three
+def _differences(W: torch.Tensor, W_hat):
+    """(D, W_hat rows) for successive slices of rows, D = W - W_hat float32 [k, in] in one reused buffer
+    (valid until the next slice). W_hat: a dense tensor, or a quantized weight whose rows are dequantized
+    a slice at a time (`dequantize_rows`), so that a whole float32 copy (and dequantization's two or three
     whole-size temporaries: an 8B down_proj's 235 MB each, at the layer's memory peak) is never made."""
-    if isinstance(W_hat, torch.Tensor):
-        return lambda start, stop: W_hat[start:stop].float()
-    return W_hat.dequantize_rows
+    out_f, n = W.shape
+    step = min(_error_rows(n), out_f)
+    buf = torch.empty(step * n, dtype=torch.float32, device=W.device)
+    for r in range(0, out_f, step):
+        k = min(step, out_f - r)
+        rows = W_hat[r : r + k].float() if isinstance(W_hat, torch.Tensor) else W_hat.dequantize_rows(r, r + k)
+        yield torch.sub(W[r : r + k].float(), rows, out=buf[: k * n].view(k, n)), rows
 
 
 def _error_rows(n: int) -> int:
@@ -304,7 +300,8 @@ def gptq_quantize_fp8(
     overwrite: bool = False,
     columns_per_scale: int = 1,
 ) -> GPTQResult:
-    """e4m3 codes [out, in] of W [out, in] on fixed scales, and the count of dead columns. `scale`
+    """e4m3 codes [out, in] of W [out, in] on fixed scales (`GPTQResult`: with the count of dead columns and
+    the solve's error tally). `scale`
     [out, ceil(in / columns_per_scale)] scales column c by scale[:, c // columns_per_scale]: a per-element
     [out, in] scale as it stands, or the compact form of a tensor's, channel's or block's
     (`quant.fp8.column_scales`), which never expands to W's shape (an 8B gate/up pair's: 470 MB).
@@ -388,9 +385,8 @@ def gptq_quantize_ggml(
 
     Qt, row_error = _solve_columns(W, Hinv, block_size, round_column, torch.int8)
     del W, Hinv
-    order = torch.arange(n, device=diag.device)
     return GPTQResult(fit.weight(_codes_in_order(Qt, None)), int(dead.sum()),
-                      _solve_error(row_error, diag, order, dampening_frac, dead))
+                      _solve_error(row_error, diag, _order(diag, False), dampening_frac, dead))
 
 
 def _codes_in_order(Qt: torch.Tensor, perm: Optional[torch.Tensor]) -> torch.Tensor:
