@@ -1,9 +1,10 @@
 """A Llama-3-8B-shaped checkpoint with random weights, and the memory and time of quantizing it.
 
-Usage: python bench/big_model.py write DIR [--layers 32]      # ~16 GB of bf16, written shard by shard
+Usage: python bench/big_model.py write DIR [--layers 32] [--tokenizer DIR]   # ~16 GB of bf16, shard by shard
        python bench/big_model.py quantize DIR RECIPE [--set k=v ...] [--load layers|whole] [-o OUT]
 Shapes: hidden 4096, 32 layers, intermediate 14336, 32 heads, 8 KV heads, vocab 128256 (Llama-3-8B).
-The tokenizer is SmolLM2's (its ids fit the vocabulary), for calibration text. `quantize` prints the
+The tokenizer is SmolLM2's (its ids fit the vocabulary), for calibration text: the demo model's, or the
+tokenizer files of `--tokenizer DIR` (where the demo model cannot be fetched, e.g. the lent GPU machine). `quantize` prints the
 CPU line, wall time by phase, peak resident memory and peak live allocated bytes (glibc's accounting,
 sampled every 2 ms), and the checkpoint size.
 """
@@ -25,7 +26,7 @@ SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, 
              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
-def write(out: Path, layers: int, shard_gb: float) -> None:
+def write(out: Path, layers: int, shard_gb: float, tokenizer: Path | None = None) -> None:
     import torch
     from transformers import AutoConfig
 
@@ -35,7 +36,7 @@ def write(out: Path, layers: int, shard_gb: float) -> None:
     out.mkdir(parents=True, exist_ok=False)
     config = AutoConfig.for_model("llama", num_hidden_layers=layers, dtype="bfloat16", **SHAPE)
     config.save_pretrained(out)
-    tok = fetch("smollm2-135m")
+    tok = tokenizer or fetch("smollm2-135m")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(tok / name, out / name)
     h, i, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
@@ -101,6 +102,7 @@ def main() -> None:
     w.add_argument("dir", type=Path)
     w.add_argument("--layers", type=int, default=32)
     w.add_argument("--shard-gb", type=float, default=5.0)
+    w.add_argument("--tokenizer", type=Path, default=None, help="a directory with SmolLM2's tokenizer files")
     q = sub.add_parser("quantize")
     q.add_argument("dir", type=Path)
     q.add_argument("recipe")
@@ -111,7 +113,7 @@ def main() -> None:
     q.add_argument("--device", default="auto")
     args = parser.parse_args()
     if args.cmd == "write":
-        write(args.dir, args.layers, args.shard_gb)
+        write(args.dir, args.layers, args.shard_gb, args.tokenizer)
     else:
         quantize(args.dir, args.recipe, args.overrides, args.load, args.output or args.dir.with_name(args.dir.name + "-q"),
                  args.live, args.device)

@@ -1,6 +1,8 @@
 """The bench/ scripts run as `python bench/NAME.py`, which puts bench/ first on sys.path: a script named
 like an installed package (bench/kernels.py against `kernels`, which transformers imports while building
-a model) would be imported in its place and break every bench script that loads a model."""
+a model) would be imported in its place and break every bench script that loads a model. Also the pieces
+of bench/gpu.sh that run without a GPU (the random model, the checkpoint comparison) and the recipe matrix's
+setups."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import importlib.machinery
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -35,14 +39,54 @@ def test_a_bench_script_builds_a_transformers_model(tmp_path):
 
 
 def test_the_recipe_matrix_setups_combine(monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("recipe_matrix_script", BENCH / "recipe_matrix.py")
-    matrix = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(matrix)
+    matrix = _script("recipe_matrix")
     monkeypatch.setenv("QUANTKIT_COMPUTE_DTYPE", "float16")  # the caller's own setting never leaks into a setup
     native, avx2, bf16, both = (matrix.setup_env(s) for s in ("native", "avx2", "bfloat16", "avx2+bfloat16"))
     assert "QUANTKIT_COMPUTE_DTYPE" not in native and "ATEN_CPU_CAPABILITY" not in native
     assert avx2["ATEN_CPU_CAPABILITY"] == "avx2" and "QUANTKIT_COMPUTE_DTYPE" not in avx2
     assert bf16["QUANTKIT_COMPUTE_DTYPE"] == "bfloat16" and "ONEDNN_MAX_CPU_ISA" not in bf16
     assert both["QUANTKIT_COMPUTE_DTYPE"] == "bfloat16" and both["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+
+
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_script", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_random_model_and_checkpoint_comparison(tiny_llama, tmp_path, capsys):
+    # what bench/gpu.sh runs on a lent GPU machine: a random model in another's shape (twice: the same
+    # tensors), fewer layers on request, and the tensor-by-tensor comparison it holds CUDA against CPU with
+    random_model, compare = _script("random_model"), _script("compare_checkpoints")
+    a = random_model.write(tiny_llama, tmp_path / "a", seed=0)
+    b = random_model.write(tiny_llama, tmp_path / "b", seed=0)
+    c = random_model.write(tiny_llama, tmp_path / "c", seed=1)
+    short = random_model.write(tiny_llama, tmp_path / "short", layers=1)
+    assert (a / "tokenizer.json").is_file() and (a / "config.json").is_file()
+    identical, differing, same_layout = compare.compare(a, b)
+    assert differing == 0 and same_layout and identical > 5
+    identical, differing, same_layout = compare.compare(a, c)
+    assert same_layout and differing > 0 and "max |a - b|" in capsys.readouterr().out
+    assert not compare.compare(a, short)[2]  # the second layer's tensors are missing: layouts differ
+    with pytest.raises(SystemExit, match="exists"):
+        random_model.write(tiny_llama, a)
+
+
+def test_checkpoint_comparison_reports_changed_codes(tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    compare = _script("compare_checkpoints")
+    codes = torch.arange(64, dtype=torch.int32).reshape(8, 8)
+    for name, t in (("x", codes), ("y", codes.clone())):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    y = codes.clone()
+    y[0, :2] += 1  # 2 of 64 codes
+    save_file({"w": codes, "s": torch.ones(3, dtype=torch.bfloat16)}, tmp_path / "x" / "model.safetensors")
+    save_file({"w": y, "s": torch.ones(3, dtype=torch.bfloat16)}, tmp_path / "y" / "model.safetensors")
+    assert compare.compare(tmp_path / "x", tmp_path / "y") == (1, 1, True)
+    assert "w: 3.125% of codes differ" in capsys.readouterr().out

@@ -9,11 +9,12 @@ AWQ's statistics, KV-cache scale observation, making the next layer's inputs) ca
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
+
+from quantkit.transformers_compat import cache_keyword
 
 CACHE_KEYS = ("cache", "past_key_values", "past_key_value")  # what transformers' layers have called the cache
 
@@ -30,11 +31,6 @@ def without_cache(kwargs: dict) -> dict:
     out = {k: v for k, v in kwargs.items() if k not in CACHE_KEYS}
     out["use_cache"] = False
     return out
-
-
-def cache_keyword(layer: nn.Module) -> str:
-    """The name under which `layer`'s forward takes its cache (transformers renamed it over releases)."""
-    return "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
 
 
 @torch.no_grad()

@@ -29,6 +29,7 @@ from quantkit.errors import CalibrationDataError, CheckpointError, QuantkitError
 from quantkit.eval.divergence import Tally, kl_divergence, log_probs, token_nll, top1_same
 from quantkit.eval.ppl import windows
 from quantkit.eval.ppl_table import MIN_SCORED_TOKENS
+from quantkit.transformers_compat import cache_kwargs
 
 LOGIT_ELEMENTS = 1 << 25  # floats of one logits chunk (128 MB): positions per chunk = this // vocab (Gemma: 128;
 # fewer rows make the LM-head matmul markedly less efficient on CPU, 64 rows ~20% slower)
@@ -209,7 +210,7 @@ def _check_memory(subjects: list[Subject], dtype: str) -> None:
 def _hidden(model: nn.Module, ids: torch.Tensor, cache) -> torch.Tensor:
     if cache is None:
         return model.model(input_ids=ids, use_cache=False).last_hidden_state
-    return model.model(input_ids=ids, cache=cache, use_cache=True).last_hidden_state
+    return model.model(input_ids=ids, **cache_kwargs(model.model, cache), use_cache=True).last_hidden_state
 
 
 def score(models: list[nn.Module], texts: list[Text], batch_size: int = 1, kv_cache_dtype: Optional[str] = None,

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from quantkit.errors import CalibrationDataError
 from quantkit.runtime.kv_cache import cache_factory
+from quantkit.transformers_compat import cache_kwargs
 
 LOGIT_CHUNK = 512  # positions per LM-head chunk: Gemma's 262k vocab makes full logits 2 GB per window
 
@@ -58,7 +59,7 @@ def window_nll(model: nn.Module, ids: torch.Tensor, cache=None) -> tuple[float, 
     if cache is None:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # [1, S, H]
     else:
-        hidden = model.model(input_ids=ids, cache=cache, use_cache=True).last_hidden_state
+        hidden = model.model(input_ids=ids, **cache_kwargs(model.model, cache), use_cache=True).last_hidden_state
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     total = 0.0

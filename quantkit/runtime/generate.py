@@ -26,6 +26,7 @@ from quantkit.runtime import lean_decode
 from quantkit.runtime.kv_cache import Fp8StaticCache, make_cache
 from quantkit.runtime.request import Completion, Request, context_limit, end_token_ids, request_generator
 from quantkit.runtime.sampling import SamplingParams
+from quantkit.transformers_compat import cache_kwargs
 
 __all__ = ["Completion", "context_limit", "end_token_ids", "generate", "generate_batch"]
 
@@ -66,10 +67,11 @@ class _Forward:
     def prefill(self, batch: _Batch) -> torch.Tensor:
         w = batch.width
         inputs = dict(input_ids=batch.input_ids, attention_mask=batch.mask[:, :w], position_ids=batch.positions[:, :w],
-                      cache=self.cache, use_cache=True)
+                      use_cache=True)
         if self.lean is not None:  # the head on the last position only, through the lean step's GEMV
-            return self.lean.logits(self.model.model(**inputs).last_hidden_state[:, -1])
-        return self.model(**inputs, logits_to_keep=1).logits[:, -1]
+            return self.lean.logits(self.model.model(**inputs, **cache_kwargs(self.model.model, self.cache))
+                                    .last_hidden_state[:, -1])
+        return self.model(**inputs, **cache_kwargs(self.model, self.cache), logits_to_keep=1).logits[:, -1]
 
     def step(self, ids: torch.Tensor, batch: _Batch, t: int) -> torch.Tensor:
         """ids [B, 1] at decode step t (cache slot width + t)."""
@@ -77,7 +79,7 @@ class _Forward:
         positions, mask = batch.positions[:, slot : slot + 1], batch.mask[:, : slot + 1]
         if self.lean is not None:
             return self.lean.step(ids, slot, positions, mask)
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(self.model, self.cache),
                           use_cache=True, logits_to_keep=1).logits[:, -1]
 
 

@@ -27,6 +27,7 @@ from quantkit.runtime import lean_decode
 from quantkit.runtime.kv_cache import make_cache
 from quantkit.runtime.request import Completion, Request, context_limit, end_token_ids
 from quantkit.runtime.sampling import SamplingParams, distribution
+from quantkit.transformers_compat import cache_kwargs
 
 
 @dataclass
@@ -63,7 +64,7 @@ class _Model:
         if len(self.tokens) > keep:
             self.cache.crop(keep - len(self.tokens))  # transformers 5: a negative count removes that many
         ids = torch.tensor([tokens[keep:]], device=next(self.model.parameters()).device)
-        logits = self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0]
+        logits = self.model(input_ids=ids, **cache_kwargs(self.model, self.cache), use_cache=True).logits[0]
         self.tokens = list(tokens)
         return logits[start - keep:].float().cpu()
 
@@ -89,7 +90,8 @@ class _LeanDraft:
         if keep == 0 and len(tokens) > 1:
             n = len(tokens) - 1
             self.model.model(input_ids=torch.tensor([tokens[:n]], device=self.device), attention_mask=self.mask[:, :n],
-                             position_ids=self.positions[:, :n], cache=self.cache, use_cache=True)
+                             position_ids=self.positions[:, :n], **cache_kwargs(self.model.model, self.cache),
+                             use_cache=True)
             keep = n
         for slot in range(keep, len(tokens)):
             logits = self.lean.step(torch.tensor([[tokens[slot]]], device=self.device), slot,
