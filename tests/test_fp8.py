@@ -19,6 +19,7 @@ from quantkit.qmodules.fp8_linear import Fp8Linear
 from quantkit.qmodules.kv import KVObserver
 from quantkit.runtime.kv_cache import Fp8KVCache, kv_scales
 from quantkit.schemes import QuantScheme, resolve_scheme
+from quantkit.transformers_compat import cache_kwargs
 
 from helpers import quantize_in_memory, sample_ids
 
@@ -361,7 +362,7 @@ def test_kv_scales_equal_the_absmax_of_cached_keys(tiny_llama, fp8_checkpoints, 
     for ids in batches:
         cache = DynamicCache(config=reference.config)
         with torch.no_grad():
-            reference(ids, cache=cache, use_cache=True)
+            reference(ids, use_cache=True, **cache_kwargs(reference, cache))
         for i, layer in enumerate(cache.layers):
             k_max[i] = max(k_max.get(i, 0.0), float(layer.keys.abs().max()))
             v_max[i] = max(v_max.get(i, 0.0), float(layer.values.abs().max()))

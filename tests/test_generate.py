@@ -16,6 +16,7 @@ from quantkit.runtime.sampling import (SamplingParams, TokenHistory, apply_min_p
                                        apply_repetition_penalty, apply_top_k, apply_top_p, processed_logits, sample)
 from quantkit.runtime.speculative import speculative_generate
 from quantkit.runtime.stopping import StopStringMatcher
+from quantkit.transformers_compat import cache_kwargs
 
 from helpers import sample_ids
 
@@ -137,7 +138,7 @@ def _lean_logits(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
     lean = lean_decode.LeanDecoder(model, cache)
     pos, mask = torch.arange(total)[None], torch.ones(1, total, dtype=torch.long)
     model.model(input_ids=ids[:, :width], attention_mask=mask[:, :width], position_ids=pos[:, :width],
-                cache=cache, use_cache=True)
+                use_cache=True, **cache_kwargs(model.model, cache))
     return torch.stack([lean.step(ids[:, s : s + 1], s, pos[:, s : s + 1], mask[:, : s + 1])
                         for s in range(width, total)], 1)
 
