@@ -1,10 +1,10 @@
 """What differs between the transformers releases quantkit runs on (pyproject: >=5.0,<6), in one place.
 
-The cache keyword: decoder layers and models took their KV cache as `past_key_values` up to transformers
-5.2x, then as `cache` (with `past_key_values` deprecated). A keyword a forward does not name falls into its
-`**kwargs` and is ignored without a word: a cache given under the wrong name is silently not used
-(generation then sees one token at a time). So every call that passes a cache names it through
-`cache_keyword`, read from the forward's signature of the module's class.
+The cache keyword: decoder layers and models take their KV cache as `past_key_values` in transformers 5.17
+and as `cache` in 5.25 (`past_key_values` deprecated there); the suite has run on both. A keyword a
+forward does not name falls into its `**kwargs` and is ignored without a word: a cache given under the
+wrong name is silently not used (generation then sees one token at a time). So every call that passes a
+cache names it through `cache_keyword`, read from the forward's signature of the module's class.
 """
 
 from __future__ import annotations

@@ -79,8 +79,8 @@ class _Forward:
         positions, mask = batch.positions[:, slot : slot + 1], batch.mask[:, : slot + 1]
         if self.lean is not None:
             return self.lean.step(ids, slot, positions, mask)
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(self.model, self.cache),
-                          use_cache=True, logits_to_keep=1).logits[:, -1]
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                          **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
 @torch.no_grad()
