@@ -4,9 +4,9 @@ Usage: python bench/big_model.py write DIR [--layers 32] [--tokenizer DIR]   # ~
        python bench/big_model.py quantize DIR RECIPE [--set k=v ...] [--load layers|whole] [-o OUT]
 Shapes: hidden 4096, 32 layers, intermediate 14336, 32 heads, 8 KV heads, vocab 128256 (Llama-3-8B).
 The tokenizer is SmolLM2's (its ids fit the vocabulary), for calibration text: the demo model's, or the
-tokenizer files of `--tokenizer DIR` (where the demo model cannot be fetched, e.g. the lent GPU machine). `quantize` prints the
-CPU line, wall time by phase, peak resident memory and peak live allocated bytes (glibc's accounting,
-sampled every 2 ms), and the checkpoint size.
+tokenizer files of `--tokenizer DIR` (where the demo model cannot be fetched, e.g. the lent GPU machine).
+`quantize` prints the CPU line, wall time by phase, peak resident memory and peak live allocated bytes
+(glibc's accounting, sampled every 2 ms), and the checkpoint size.
 """
 
 from __future__ import annotations

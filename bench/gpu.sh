@@ -48,8 +48,8 @@ step() {  # step NAME LIMIT CMD...: CMD under min(LIMIT, time left), logged; its
   echo "=== $name (limit ${limit} s)" | tee -a "$LOG"
   local t0=$SECONDS
   timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$LOG"
-  local rc=${PIPESTATUS[0]} status=ok
-  [ "$rc" = 124 ] || [ "$rc" = 137 ] && status="timed out" || { [ "$rc" != 0 ] && status="failed ($rc)"; }
+  local rc=${PIPESTATUS[0]} status
+  case $rc in 0) status=ok ;; 124 | 137) status="timed out" ;; *) status="failed ($rc)" ;; esac
   printf '| %s | %s | %d |\n' "$name" "$status" $((SECONDS - t0)) >>"$SUMMARY"
   return "$rc"
 }

@@ -301,10 +301,10 @@ def gptq_quantize_fp8(
     columns_per_scale: int = 1,
 ) -> GPTQResult:
     """e4m3 codes [out, in] of W [out, in] on fixed scales (`GPTQResult`: with the count of dead columns and
-    the solve's error tally). `scale`
-    [out, ceil(in / columns_per_scale)] scales column c by scale[:, c // columns_per_scale]: a per-element
-    [out, in] scale as it stands, or the compact form of a tensor's, channel's or block's
-    (`quant.fp8.column_scales`), which never expands to W's shape (an 8B gate/up pair's: 470 MB).
+    the solve's error tally). `scale` [out, ceil(in / columns_per_scale)] scales column c by
+    scale[:, c // columns_per_scale]: a per-element [out, in] scale as it stands, or the compact form of a
+    tensor's, channel's or block's (`quant.fp8.column_scales`), which never expands to W's shape (an 8B
+    gate/up pair's: 470 MB).
 
     Dequantized value = code x scale, as in `quantkit.quant.fp8`. The scales stay those given (the
     nearest rounding's), so the codes can replace the nearest codes in the same checkpoint layout.
