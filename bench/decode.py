@@ -1,7 +1,7 @@
 """Decode speed of the runner, measured back to back in one process.
 
 Usage: python bench/decode.py BASELINE [MODEL ...] [--prompt TEXT] [-n 128] [--runs 5]
-                              [--hf] [--draft DRAFT_MODEL [--num-draft-tokens 4]]
+                              [--hf] [--draft DRAFT_MODEL [--num-draft-tokens 4]] [--device cpu|cuda[:N]]
 Each run generates n tokens greedily from the same prompt (end tokens ignored, so every run
 decodes n tokens); runs alternate between the setups and the median TTFT and decode tokens/s of
 each is printed with the ratio to the first row's, and as a fraction of its memory-bandwidth
@@ -11,7 +11,8 @@ models load as `quantkit generate` loads them (the decode workload's dtype choic
 transformers' `generate` on the baseline model (same prompt, greedy, KV cache; a copy loaded apart)
 in the dtype quantkit's batch policy picks for it and, when that is 16-bit, in float32 too (the
 target compares with the faster); --draft adds speculative decoding of the baseline with that draft
-(acceptance rate printed).
+(acceptance rate printed). --device runs every setup there (default cpu; on CUDA the read bandwidth is
+measured on the device, and run 0, not counted, also runs the Triton kernels' autotuning).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true", help="Also time transformers' generate on the first model.")
     parser.add_argument("--draft", help="Also time speculative decoding of the first model with this draft.")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto: where every setup runs.")
     parser.add_argument("--policy-as", choices=["AVX2"], help="Let the compute policy choose as it would on "
                         "this kind of CPU (the hardware is still this one): AVX2 = float32, automatically.")
     args = parser.parse_args()
@@ -50,21 +52,24 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     tok = load_tokenizer(args.models[0])
     ids = tok(args.prompt)["input_ids"]
-    models = {name: load(name, workload="decode") for name in args.models}
+    from quantkit import devices
+
+    device = devices.resolve(args.device, "--device").device
+    models = {name: load(name, workload="decode", device=device) for name in args.models}
     setups = {f"quantkit {name}": (lambda m=m: _ours(generate, m, tok, ids, params)) for name, m in models.items()}
     base = models[args.models[0]]
     hf_rows = {}
     if args.hf:  # its own copies: quantkit's decode re-lays out the weights of the models it runs
         import torch
 
-        batch = load(args.models[0])  # the batch policy's dtype (bf16 where GEMMs are fast), as transformers loads it
+        batch = load(args.models[0], device=device)  # the batch policy's dtype (bf16 where GEMMs are fast), as transformers loads it
         for dtype in dict.fromkeys([batch.dtype, torch.float32]):
-            hf_model = batch if dtype == batch.dtype else load(args.models[0], dtype=dtype)
+            hf_model = batch if dtype == batch.dtype else load(args.models[0], dtype=dtype, device=device)
             name = f"transformers generate {args.models[0]} ({str(dtype).removeprefix('torch.')})"
             hf_rows[name] = hf_model
             setups[name] = lambda m=hf_model: _hf(m, ids, args.max_new_tokens)
     if args.draft:
-        draft = load(args.draft)
+        draft = load(args.draft, workload="decode", device=device)
         setups[f"quantkit {args.models[0]} + draft {args.draft}"] = \
             lambda: _spec(speculative_generate, base, draft, tok, ids, params, args.num_draft_tokens)
     results: dict[str, list] = {name: [] for name in setups}
@@ -79,11 +84,11 @@ def main() -> None:
     print("; ".join(dict.fromkeys(f"{n}: {m.quantkit_compute.describe()}" for n, m in models.items())))
     print(f"prompt {args.prompt!r} ({len(ids)} tokens), "
           f"{args.max_new_tokens} new tokens, greedy, median of {args.runs} alternating runs")
-    bandwidth = _read_bandwidth()
+    bandwidth = _read_bandwidth(device)
     per_token = {f"quantkit {n}": _bytes_per_token(m) for n, m in models.items()}
     for name, m in hf_rows.items():
         per_token[name] = _bytes_per_token(m)
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over a 1 GB float32 buffer, best of 5)")
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s on {device} (sum over a 1 GB float32 buffer, best of 6)")
     print("| setup | decode tok/s | vs first row | weight MB/token | roofline tok/s | of roofline | TTFT ms | tokens | draft acceptance |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     first = None
@@ -102,14 +107,17 @@ def main() -> None:
               f"{first / statistics.median(r[0] for r in results[fastest]):.2f}x (target: at least 1.2x)")
 
 
-def _read_bandwidth() -> float:
+def _read_bandwidth(device) -> float:
     import torch
 
-    buf = torch.ones(1 << 28)  # 1 GiB of float32
+    buf = torch.ones(1 << 28, device=device)  # 1 GiB of float32
+    sync = torch.cuda.synchronize if buf.device.type == "cuda" else (lambda: None)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(6):  # the first one also warms the device up
+        sync()
         t = time.perf_counter()
         buf.sum()
+        sync()
         best = min(best, time.perf_counter() - t)
     return buf.numel() * 4 / best
 
@@ -145,7 +153,7 @@ def _hf(model, ids, n):
     import torch
     from transformers import GenerationConfig
 
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=next(model.parameters()).device)
     cfg = GenerationConfig(max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
     t = time.perf_counter()
     model.generate(x, generation_config=cfg)

@@ -16,7 +16,11 @@
 # Environment: PY (python3), QUANTKIT_GPU_CHECK_DEVICE (cuda; "cpu" runs the same steps on the CPU, to
 # try this script without a GPU), QUANTKIT_GPU_MODEL (a model directory instead of the random one),
 # QUANTKIT_GPU_BIG_LAYERS (decoder layers of the 8B-shaped model, default 2), QUANTKIT_GPU_SET (more
-# --set KEY=VALUE for the SmolLM2 quantizes), QUANTKIT_GPU_LIMIT_SCALE (times each step's limit, default 1).
+# --set KEY=VALUE for the SmolLM2 quantizes), QUANTKIT_GPU_LIMIT_SCALE (times each step's limit, default 1),
+# QUANTKIT_GPU_PART (all: everything; tests: only the kernel and device tests, with the whole deadline;
+# steps: everything but those tests). On a lent H200 (2026-12-04) the 140 tests took more than 230 s, most of it
+# Triton autotuning every (M, N, K) they try, so a full check there is two calls back to back while the
+# machine is warm: QUANTKIT_GPU_PART=tests, then QUANTKIT_GPU_PART=steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -24,6 +28,8 @@ DEV=${QUANTKIT_GPU_CHECK_DEVICE:-cuda}
 DEADLINE=${QUANTKIT_GPU_DEADLINE:-540}
 BIG_LAYERS=${QUANTKIT_GPU_BIG_LAYERS:-2}
 SCALE=${QUANTKIT_GPU_LIMIT_SCALE:-1}
+PART=${QUANTKIT_GPU_PART:-all}
+case $PART in all | tests | steps) ;; *) echo "QUANTKIT_GPU_PART=$PART: use all, tests or steps"; exit 2 ;; esac
 RESULTS=${OUT:-$(mktemp -d)}
 WORK=$(mktemp -d)
 LOG=$RESULTS/gpu.log
@@ -63,7 +69,12 @@ if '$DEV' != 'cpu':
     print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**30, 'GiB')
 from quantkit import compute; print(compute.machine_summary())" || { cat "$SUMMARY"; exit 1; }
 
-step "kernel and device tests" 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_devices.py
+if [ "$PART" != steps ]; then
+  [ "$PART" = tests ] && TESTS_LIMIT=$DEADLINE || TESTS_LIMIT=200
+  step "kernel and device tests" "$TESTS_LIMIT" "$PY" -m pytest -q -p no:cacheprovider -rf --durations=5 \
+    tests/test_kernels.py tests/test_devices.py
+  if [ "$PART" = tests ]; then echo "=== summary ($DEV, $SECONDS s)" | tee -a "$LOG"; tee -a "$LOG" <"$SUMMARY"; rm -rf "$WORK"; exit 0; fi
+fi
 
 MODEL=${QUANTKIT_GPU_MODEL:-}
 if [ -z "$MODEL" ]; then
@@ -78,8 +89,11 @@ G64=(--set stages.0.scheme.group_size=64 "${EXTRA[@]}")  # the quantizing stage:
 G64_AWQ=(--set stages.1.scheme.group_size=64 "${EXTRA[@]}")
 step "gptq-w4a16 on $DEV" 150 "${QK[@]}" quantize "$MODEL" --recipe gptq-w4a16 "${G64[@]}" --device "$DEV" \
   -o "$WORK/gptq-$DEV" --no-progress
-step "generate on $DEV" 60 "${QK[@]}" generate "$WORK/gptq-$DEV" "It is a truth universally acknowledged" -n 64 \
+step "generate on $DEV" 60 "${QK[@]}" generate "$WORK/gptq-$DEV" "It is a truth universally acknowledged" -n 16 \
   --device "$DEV"
+# warm figures: the CLI's one generate above also pays for compiling and autotuning the kernels
+step "decode: bf16 against W4A16 and transformers on $DEV" 120 "$PY" bench/decode.py "$MODEL" "$WORK/gptq-$DEV" \
+  --hf --runs 2 -n 64 --device "$DEV"
 step "kernel table" 120 "$PY" bench/kernel_speed.py --device "$DEV" --shapes llama3-8b --m 1,16,256,2048 --budget 0.2
 # the same RTN in float32 on both devices: codes and scales must agree to the bit
 F32=(--set calibration.dtype=float32)

@@ -90,3 +90,22 @@ def test_checkpoint_comparison_reports_changed_codes(tmp_path, capsys):
     save_file({"w": y, "s": torch.ones(3, dtype=torch.bfloat16)}, tmp_path / "y" / "model.safetensors")
     assert compare.compare(tmp_path / "x", tmp_path / "y") == (1, 1, True)
     assert "w: 3.125% of codes differ" in capsys.readouterr().out
+
+
+def test_decode_bench_runs_on_the_device_asked_for(tiny_llama):
+    # bench/gpu.sh's warm decode figures: every setup on --device, the read bandwidth measured there
+    run = [sys.executable, str(BENCH / "decode.py"), str(tiny_llama), "--hf", "--runs", "1", "-n", "4"]
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(run + ["--device", "cpu"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "GB/s on cpu" in out.stdout and "| quantkit " in out.stdout and "| transformers generate " in out.stdout
+    out = subprocess.run(run + ["--device", "cuda"], capture_output=True, text=True, env=env)
+    assert out.returncode != 0 and "--device cuda" in out.stderr and "| quantkit " not in out.stdout
+
+
+def test_gpu_check_refuses_an_unknown_part(tmp_path):
+    # QUANTKIT_GPU_PART splits the check into two calls of a lent machine; a typo must not run a different part
+    out = subprocess.run(["bash", str(BENCH / "gpu.sh")], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "QUANTKIT_GPU_PART": "kernels"})
+    assert out.returncode == 2 and "QUANTKIT_GPU_PART=kernels: use all, tests or steps" in out.stdout
+    assert not (tmp_path / "gpu.log").exists()
