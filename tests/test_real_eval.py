@@ -29,10 +29,11 @@ def test_smollm2_kld_and_agreement(smollm2_w4):
 def test_smollm2_lm_eval_cloze_well_above_chance(smollm2_w4, tmp_path):
     pytest.importorskip("lm_eval")
     out = tmp_path / "t.json"
-    res = CliRunner().invoke(main, ["eval", "tasks", str(smollm2_w4), "--tasks", "austen_cloze", "--limit", "40",
+    res = CliRunner().invoke(main, ["eval", "tasks", str(smollm2_w4), "--tasks", "austen_cloze", "--limit", "24",
                                     "--batch-size", "4", "--json", str(out)])
     assert res.exit_code == 0, res.output
-    assert json.loads(out.read_text())["results"]["austen_cloze"]["acc,none"] > 0.5  # chance is 0.25
+    # chance is 0.25; 24 items (40 until 2026-12-04, 17 s more on an AVX2 EPYC): 0.833 there (40 items: 0.825)
+    assert json.loads(out.read_text())["results"]["austen_cloze"]["acc,none"] > 0.5
 
 
 def test_smollm2_report(smollm2_w4, tmp_path):
