@@ -62,7 +62,8 @@ def main() -> None:
     if args.hf:  # its own copies: quantkit's decode re-lays out the weights of the models it runs
         import torch
 
-        batch = load(args.models[0], device=device)  # the batch policy's dtype (bf16 where GEMMs are fast), as transformers loads it
+        # the batch policy's dtype (bf16 where GEMMs are fast), as transformers loads it
+        batch = load(args.models[0], device=device)
         for dtype in dict.fromkeys([batch.dtype, torch.float32]):
             hf_model = batch if dtype == batch.dtype else load(args.models[0], dtype=dtype, device=device)
             name = f"transformers generate {args.models[0]} ({str(dtype).removeprefix('torch.')})"
