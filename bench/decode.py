@@ -44,6 +44,7 @@ def main() -> None:
 
         compute.cpu_features = lambda: compute.CpuFeatures(args.policy_as, True)
 
+    from quantkit import devices
     from quantkit.runtime.generate import generate
     from quantkit.loader import load, load_tokenizer
     from quantkit.runtime.sampling import SamplingParams
@@ -52,8 +53,6 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     tok = load_tokenizer(args.models[0])
     ids = tok(args.prompt)["input_ids"]
-    from quantkit import devices
-
     device = devices.resolve(args.device, "--device").device
     models = {name: load(name, workload="decode", device=device) for name in args.models}
     setups = {f"quantkit {name}": (lambda m=m: _ours(generate, m, tok, ids, params)) for name, m in models.items()}

@@ -47,6 +47,12 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
+finish() {  # the summary table into the log and onto the screen; the scratch directory removed
+  echo "=== summary ($DEV, $SECONDS s)" | tee -a "$LOG"
+  tee -a "$LOG" <"$SUMMARY"
+  rm -rf "$WORK"
+}
+
 step() {  # step NAME LIMIT CMD...: CMD under min(LIMIT, time left), logged; its status and time in the summary
   local name=$1 limit=$(($2 * SCALE)) left=$((DEADLINE - SECONDS)); shift 2
   if [ "$left" -lt 20 ]; then printf '| %s | skipped: out of time | 0 |\n' "$name" >>"$SUMMARY"; return 99; fi
@@ -73,7 +79,7 @@ if [ "$PART" != steps ]; then
   [ "$PART" = tests ] && TESTS_LIMIT=$DEADLINE || TESTS_LIMIT=200
   step "kernel and device tests" "$TESTS_LIMIT" "$PY" -m pytest -q -p no:cacheprovider -rf --durations=5 \
     tests/test_kernels.py tests/test_devices.py
-  if [ "$PART" = tests ]; then echo "=== summary ($DEV, $SECONDS s)" | tee -a "$LOG"; tee -a "$LOG" <"$SUMMARY"; rm -rf "$WORK"; exit 0; fi
+  if [ "$PART" = tests ]; then finish; exit 0; fi
 fi
 
 MODEL=${QUANTKIT_GPU_MODEL:-}
@@ -116,6 +122,4 @@ step "gptq: $DEV against cpu" 60 "$PY" bench/compare_checkpoints.py "$WORK/gptq-
 step "eval: both GPTQs against the original on $DEV" 90 "${QK[@]}" eval compare "$WORK/gptq-$DEV" "$WORK/gptq-ref-cpu" \
   --original "$MODEL" --device "$DEV" --dtype float32 --seq-len 512 --max-windows 4 --no-progress
 
-echo "=== summary ($DEV, $SECONDS s)" | tee -a "$LOG"
-cat "$SUMMARY" | tee -a "$LOG"
-rm -rf "$WORK"
+finish

@@ -102,7 +102,9 @@ def test_decode_bench_runs_on_the_device_asked_for(tiny_llama, monkeypatch, caps
     assert "GB/s on cpu" in out and "| quantkit " in out and "| transformers generate " in out
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setattr(sys, "argv", run + ["--device", "cuda"])
-    with pytest.raises(Exception, match="--device cuda"):
+    from quantkit.devices import DeviceError
+
+    with pytest.raises(DeviceError, match="--device cuda"):
         decode.main()
     assert "| quantkit " not in capsys.readouterr().out
 
