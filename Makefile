@@ -27,11 +27,17 @@ demo: install
 	$(BIN)/quantkit eval ppl smollm2-135m $(DEMO_OUT) --max-windows 8
 	$(BIN)/quantkit generate $(DEMO_OUT) "Who was Jane Austen?" --chat --max-new-tokens 64
 
+# One pytest-xdist worker per core, at most 4 (each loads the real model; 24 GiB machines), each with its
+# share of the threads (tests/conftest.py). loadgroup hands out one test at a time, the slow real-model ones
+# first (conftest orders them), except that a module marked xdist_group runs whole on one worker (its
+# module-scoped fixtures are then made once).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 bench: install
 	$(BIN)/python bench/kernel_speed.py --device cpu --m 1,16,64,256

@@ -422,7 +422,11 @@ def _write_probe_cache(cache_file: Optional[Path], key: str, value) -> None:
     path = _probe_cache_path(cache_file)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**_read_probe_cache(cache_file), key: value}, indent=2) + "\n")
+        # a whole file or none: written beside it and renamed, so a process reading it meanwhile (another job,
+        # another test worker) never sees half of it
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**_read_probe_cache(cache_file), key: value}, indent=2) + "\n")
+        os.replace(tmp, path)
     except OSError as exc:  # a read-only cache only costs a re-probe next time
         log.info("could not cache a probe in %s: %s", path, exc)
 

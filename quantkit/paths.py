@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Iterator
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 PROJECT_ROOT = PACKAGE_ROOT.parent  # the checkout; quantkit is installed editable by `make install`
@@ -17,3 +19,15 @@ def cache_dir() -> Path:
     """Root of quantkit's cache: $QUANTKIT_CACHE, else ~/.cache/quantkit."""
     env = os.environ.get("QUANTKIT_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "quantkit"
+
+
+@contextlib.contextmanager
+def cache_entry_lock(entry: Path) -> Iterator[None]:
+    """Hold `entry`'s lock file (`<entry>.lock`, beside it) while it is checked and filled, so two processes
+    that want the same cache entry at once (two jobs, two test workers) fill it once: the second waits, then
+    finds it made. filelock (huggingface_hub's own dependency) works on every OS."""
+    from filelock import FileLock
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(entry.parent / f"{entry.name}.lock")):
+        yield

@@ -12,10 +12,30 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+
+def _split_threads() -> None:
+    """Under pytest-xdist each worker takes its share of the cores (OpenMP teams of several workers fighting
+    over the same cores run slower than one at a time); the CLI subprocesses tests start inherit it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+_split_threads()
+
 if not torch.cuda.is_available():  # Triton kernels run through the interpreter here (read when they are defined)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow real-model tests first (stable otherwise): with several workers, the long ones start at once
+    instead of one of them being the last thing left running on one core."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 AUSTEN = ROOT / "calibration_data" / "prideprejudice.txt"
 
 

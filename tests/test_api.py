@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -110,22 +109,3 @@ def test_quantize_refuses_a_quantized_model_and_texts_without_tokenizer(tiny_lla
     net = AutoModelForCausalLM.from_config(config)
     with pytest.raises(QuantizationError, match="needs a tokenizer"):
         quantkit.quantize(net, "gptq-w4a16", overrides=["stages.0.scheme.group_size=32"], dataset=["some text"])
-
-
-@pytest.mark.slow
-def test_readme_example_runs(tmp_path, monkeypatch):
-    """The README's Python example, as written there, on the demo model (SmolLM2), fetched first as
-    the README says (on a fresh machine no earlier test may have fetched it)."""
-    from quantkit.models.demo import fetch
-
-    fetch("smollm2-135m")
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    block = re.search(r"```python\n(# Python API.*?)```", readme, re.S)
-    assert block, "the README has no Python API example"
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    exec(compile(block.group(1), "README.md", "exec"), namespace)  # noqa: S102  (our own README)
-    out = tmp_path / "smollm2-gptq-w4a16"
-    assert (out / "config.json").is_file() and json.loads((out / "config.json").read_text())["quantization_config"]
-    assert namespace["report"].recipe.name == "gptq-w4a16"
-    assert 0 < namespace["ppl"] < 60  # SmolLM2 is ~28 in float; g64 GPTQ on 8 x 256 tokens stays well below 60

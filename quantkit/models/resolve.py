@@ -44,17 +44,19 @@ def gguf_checkpoint(file: Path) -> Path:
     import logging
 
     from quantkit.models.gguf import convert_gguf
-    from quantkit.paths import cache_dir
+    from quantkit.paths import cache_dir, cache_entry_lock
 
     st = file.stat()
     key = hashlib.sha256(f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir() / "gguf" / f"{file.stem}-{key}"
     if (out / "config.json").is_file():
         return out
-    log = logging.getLogger(__name__)
-    log.warning("%s: converting the GGUF file once into %s (Q8_0 / Q4_0 linears kept exact)", file, out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    convert_gguf(file, out, notify=log.info)
+    with cache_entry_lock(out):  # another process converting the same file: wait for it, then reuse
+        if (out / "config.json").is_file():
+            return out
+        log = logging.getLogger(__name__)
+        log.warning("%s: converting the GGUF file once into %s (Q8_0 / Q4_0 linears kept exact)", file, out)
+        convert_gguf(file, out, notify=log.info)
     return out
 
 
