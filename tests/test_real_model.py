@@ -40,7 +40,7 @@ def test_readme_example_runs_and_its_gptq_beats_rtn(smollm2, smollm2_rtn64, emma
     """The README's Python example, as written there, on the demo model (fetched first, as the README says,
     by the `smollm2` fixture): GPTQ g64 with a small calibration set (8 x 256 tokens, to keep CI short),
     saved, reloaded and scored; it beats RTN at group 64. (One quantization serves both checks: until
-    2026-12-05 a second test ran the same GPTQ job again, ~45 s of one core on an AVX2 EPYC.)"""
+    2026-12-04 a second test ran the same GPTQ job again, ~45 s of one core on an AVX2 EPYC.)"""
     import json
     import re
     from pathlib import Path
