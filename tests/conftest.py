@@ -30,13 +30,13 @@ if not torch.cuda.is_available():  # Triton kernels run through the interpreter 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
+AUSTEN = ROOT / "calibration_data" / "prideprejudice.txt"
 
 
 def pytest_collection_modifyitems(config, items):
     """The slow real-model tests first (stable otherwise): with several workers, the long ones start at once
     instead of one of them being the last thing left running on one core."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-AUSTEN = ROOT / "calibration_data" / "prideprejudice.txt"
 
 
 def _train_tokenizer():
