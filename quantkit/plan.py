@@ -230,7 +230,7 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
     layer_phase = layer_params * itemsize + act_held + work + extra + in_flight
     process = process_bytes(device)
     base = process + (CALIBRATION_PROCESS_BYTES + TOKENIZER_MEMORY_PER_FILE_BYTE * tokenizer_bytes
-                                 if calibrates else 0)
+                      if calibrates else 0)
     largest_source = max((t.numel() * (storage_dtype.itemsize if t.is_floating_point() else t.element_size())
                           for t in _unique_tensors(model)), default=0)
     scan = process + SCAN_BYTES_PER_PIECE_BYTE * min(largest_source, SCAN_PIECE_BYTES)  # before the work
