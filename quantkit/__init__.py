@@ -4,10 +4,12 @@ The Python API (`quantkit.api`): `quantize(model_or_path, recipe, ...)` -> (mode
 `save(model, path)`; `load(path)` and `load_tokenizer(path)` for running checkpoints.
 """
 
+from quantkit import allocator
 from quantkit.version import __version__
 
-__all__ = ["quantize", "save", "load", "load_tokenizer", "__version__"]
+allocator.request_huge_pages()  # before torch's first allocation (quantkit.allocator)
 
+__all__ = ["quantize", "save", "load", "load_tokenizer", "__version__"]
 
 
 def __getattr__(name: str):

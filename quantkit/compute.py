@@ -43,6 +43,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from quantkit import allocator
 from quantkit.errors import QuantkitError
 
 log = logging.getLogger(__name__)
@@ -440,4 +441,4 @@ def machine_summary() -> str:
     if f.limited_by:
         flags.append(f"limited by {f.limited_by}")
     return (f"cpu {model}, capability {f.capability}" + (f" ({', '.join(flags)})" if flags else "")
-            + f", torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}")
+            + f", torch {torch.__version__}, {torch.get_num_threads()} threads, {allocator.state()}{gpu}")

@@ -1,0 +1,64 @@
+"""Huge pages for torch's large CPU tensors (`quantkit.allocator`): asked for on import, reported honestly."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from quantkit import allocator
+
+STATE = "from quantkit import allocator; print(allocator.state())"
+
+
+def _state(code: str, **env: str) -> str:
+    environ = {k: v for k, v in os.environ.items() if k != allocator.ENV}
+    out = subprocess.run([sys.executable, "-c", code], env={**environ, **env}, capture_output=True, text=True,
+                         check=True, timeout=120)
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("text, mode", [("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
+                                        ("always madvise [never]\n", "never"), ("", "unavailable")])
+def test_the_kernels_thp_mode_is_read_from_sysfs(tmp_path, monkeypatch, text, mode):
+    f = tmp_path / "enabled"
+    f.write_text(text)
+    monkeypatch.setattr(allocator, "KERNEL_MODE", f)
+    assert allocator.kernel_mode() == mode
+    monkeypatch.setattr(allocator, "KERNEL_MODE", tmp_path / "missing")
+    assert allocator.kernel_mode() == "unavailable"
+
+
+def test_the_request_keeps_a_setting_the_user_made(monkeypatch):
+    monkeypatch.setenv(allocator.ENV, "0")
+    allocator.request_huge_pages()
+    assert os.environ[allocator.ENV] == "0"
+    monkeypatch.delenv(allocator.ENV)
+    allocator.request_huge_pages()
+    assert os.environ[allocator.ENV] == "1"
+
+
+needs_thp = pytest.mark.skipif(allocator.kernel_mode() not in ("always", "madvise"),
+                               reason="the kernel offers no transparent huge pages here")
+
+
+@needs_thp
+def test_importing_quantkit_puts_large_tensors_on_huge_pages():
+    assert _state(STATE) == "huge pages on"
+    # the kernel's own count: a 64 MB tensor written once is (mostly) backed by 2 MB pages
+    code = ("import quantkit, torch; t = torch.ones(16 << 20); "
+            "print(next(int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')))")
+    assert int(_state(code)) >= 32 << 10  # kB: at least half of the tensor
+
+
+@needs_thp
+def test_huge_pages_stay_off_when_the_user_says_so_or_torch_allocated_first():
+    assert _state(STATE, **{allocator.ENV: "0"}) == f"huge pages off ({allocator.ENV}=0)"
+    late = "import torch; t = torch.ones(1 << 22); " + STATE  # torch read the variable before quantkit set it
+    assert _state(late) == "huge pages off (torch allocated before quantkit was imported)"
+
+
+def test_the_machine_line_says_whether_huge_pages_are_on():
+    from quantkit import compute
+
+    assert "huge pages" in compute.machine_summary()
