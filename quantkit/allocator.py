@@ -11,8 +11,10 @@ calibration 46.8 s against 40.6 s, and peak RSS 0.93 against 0.78 GB.
 
 quantkit turns it on when it is imported (`quantkit/__init__.py`, before torch allocates anything),
 unless the variable is already set: `THP_MEM_ALLOC_ENABLE=0` keeps torch's default. Where the kernel's
-THP mode is `never` the advice does nothing. torch reads the variable once, at its first allocation, so
-a process that allocated tensors before importing quantkit keeps what it had; `state()` says which.
+THP mode is `never` the advice does nothing; where it is `always` the kernel may back large regions with
+huge pages unasked, and the machine line says so. torch reads the variable once, at its first
+allocation, so a process that allocated tensors before importing quantkit keeps what it had; `state()`
+says which.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def state() -> str:
         return f"huge pages off (kernel THP: {mode})"
     if torch_uses_huge_pages():
         return "huge pages on"
-    if os.environ.get(ENV, "") != "1":
-        return f"huge pages off ({ENV}={os.environ.get(ENV, '')})"
-    return "huge pages off (torch allocated before quantkit was imported)"
+    value = os.environ.get(ENV, "")
+    why = f"{ENV}={value}" if value != "1" else "torch allocated before quantkit was imported"
+    if mode == "always":  # the kernel backs large anonymous regions with huge pages unasked, where it can
+        return f"huge pages from the kernel only (THP always; torch does not advise them: {why})"
+    return f"huge pages off ({why})"

@@ -51,11 +51,28 @@ def test_importing_quantkit_puts_large_tensors_on_huge_pages():
     assert int(_state(code)) >= 32 << 10  # kB: at least half of the tensor
 
 
+def _off(why: str) -> str:
+    if allocator.kernel_mode() == "always":
+        return f"huge pages from the kernel only (THP always; torch does not advise them: {why})"
+    return f"huge pages off ({why})"
+
+
 @needs_thp
 def test_huge_pages_stay_off_when_the_user_says_so_or_torch_allocated_first():
-    assert _state(STATE, **{allocator.ENV: "0"}) == f"huge pages off ({allocator.ENV}=0)"
+    assert _state(STATE, **{allocator.ENV: "0"}) == _off(f"{allocator.ENV}=0")
     late = "import torch; t = torch.ones(1 << 22); " + STATE  # torch read the variable before quantkit set it
-    assert _state(late) == "huge pages off (torch allocated before quantkit was imported)"
+    assert _state(late) == _off("torch allocated before quantkit was imported")
+
+
+def test_a_kernel_with_thp_always_is_reported_as_such(tmp_path, monkeypatch):
+    f = tmp_path / "enabled"
+    f.write_text("[always] madvise never\n")
+    monkeypatch.setattr(allocator, "KERNEL_MODE", f)
+    monkeypatch.setattr(allocator, "torch_uses_huge_pages", lambda: False)
+    monkeypatch.setenv(allocator.ENV, "0")
+    assert allocator.state() == f"huge pages from the kernel only (THP always; torch does not advise them: {allocator.ENV}=0)"
+    f.write_text("always madvise [never]\n")
+    assert allocator.state() == "huge pages off (kernel THP: never)"
 
 
 def test_the_machine_line_says_whether_huge_pages_are_on():
