@@ -84,7 +84,9 @@ def main() -> None:
     print("; ".join(dict.fromkeys(f"{n}: {m.quantkit_compute.describe()}" for n, m in models.items())))
     print(f"prompt {args.prompt!r} ({len(ids)} tokens), "
           f"{args.max_new_tokens} new tokens, greedy, median of {args.runs} alternating runs")
-    bandwidth = _read_bandwidth(device)
+    from quantkit.kernels.roofline import read_bandwidth
+
+    bandwidth = read_bandwidth(device)
     per_token = {f"quantkit {n}": _bytes_per_token(m) for n, m in models.items()}
     for name, m in hf_rows.items():
         per_token[name] = _bytes_per_token(m)
@@ -105,21 +107,6 @@ def main() -> None:
         fastest = max(hf_rows, key=lambda n: statistics.median(r[0] for r in results[n]))
         print(f"quantkit {args.models[0]} / the faster transformers row ({fastest}): "
               f"{first / statistics.median(r[0] for r in results[fastest]):.2f}x (target: at least 1.2x)")
-
-
-def _read_bandwidth(device) -> float:
-    import torch
-
-    buf = torch.ones(1 << 28, device=device)  # 1 GiB of float32
-    sync = torch.cuda.synchronize if buf.device.type == "cuda" else (lambda: None)
-    best = float("inf")
-    for _ in range(6):  # the first one also warms the device up
-        sync()
-        t = time.perf_counter()
-        buf.sum()
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return buf.numel() * 4 / best
 
 
 def _bytes_per_token(model) -> int:

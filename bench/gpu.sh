@@ -82,6 +82,9 @@ if [ "$PART" != steps ]; then
   if [ "$PART" = tests ]; then finish; exit 0; fi
 fi
 
+# first of the steps: the kernels against bf16 F.linear (W4A16 GEMV and tinygemm at M=1..16, FP8 at M >= 256)
+step "kernel table" 150 "$PY" bench/kernel_speed.py --device "$DEV" --shapes llama3-8b --m 1,16,256,2048 --budget 0.2
+
 MODEL=${QUANTKIT_GPU_MODEL:-}
 if [ -z "$MODEL" ]; then
   if [ -d .gpu/smollm2 ]; then LIKE=.gpu/smollm2; else LIKE=$("$PY" -m quantkit models fetch smollm2-135m | tail -1 | sed 's/^Cached at //'); fi
@@ -100,7 +103,6 @@ step "generate on $DEV" 60 "${QK[@]}" generate "$WORK/gptq-$DEV" "It is a truth 
 # warm figures: the CLI's one generate above also pays for compiling and autotuning the kernels
 step "decode: bf16 against W4A16 and transformers on $DEV" 120 "$PY" bench/decode.py "$MODEL" "$WORK/gptq-$DEV" \
   --hf --runs 2 -n 64 --device "$DEV"
-step "kernel table" 120 "$PY" bench/kernel_speed.py --device "$DEV" --shapes llama3-8b --m 1,16,256,2048 --budget 0.2
 # the same RTN in float32 on both devices: codes and scales must agree to the bit
 F32=(--set calibration.dtype=float32)
 step "rtn-w4a16 float32 on cpu" 60 "${QK[@]}" quantize "$MODEL" --recipe rtn-w4a16 "${G64[@]}" "${F32[@]}" \

@@ -245,7 +245,7 @@ def _recipe(recipe, overrides, dataset, num_samples, seq_len) -> Recipe:
 def _choose(storage: torch.dtype, where: devices.DeviceChoice, dtype, recipe: Recipe) -> compute.ComputeChoice:
     if dtype in (None, "auto"):
         return compute.choose(storage, where.device, recipe.calibration.dtype, "calibration.dtype")
-    return compute_choice(dtype, storage, where.device)  # as quantkit.load takes dtype=
+    return compute_choice(dtype, storage, where.device)[0]  # as quantkit.load takes dtype=
 
 
 def _source_of(model: nn.Module) -> Optional[Path]:

@@ -12,12 +12,10 @@ has the features but the environment keeps torch from them (`ATEN_CPU_CAPABILITY
 `ONEDNN_MAX_CPU_ISA` below bf16: oneDNN then runs a bf16 GEMM ~100x slower, as on an AVX2 CPU),
 the probe decides too; that is also how an AVX2 machine is imitated on an AVX-512 one.
 
-The workload matters too: a model loaded to generate (`workload="decode"`) spends its time on
-one-token linears (GEMVs), whose speed in bf16 need not follow the GEMMs' (an AVX-512 Xeon without
-AMX: 1536 x 576 at one token 90 us in bf16, 50 in float32). There a second probe, timing a few
-typical linear shapes at one token and cached per machine, keeps the 16-bit dtype only where its
-GEMV is not slower (`DECODE_MIN_RATIO`) or where the model would not fit in memory in float32;
-otherwise decode computes in float32 (the weights exact, twice their memory) and the choice says so.
+A model loaded to generate (`workload="decode"`) spends its time on one-token linears, whose speed
+in bf16 need not follow the GEMMs' (an AVX-512 Xeon without AMX: 1536 x 576 at one token 90 us in
+bf16, 50 in float32): there the loader asks `runtime.decode_plan`, which times the model's own layer
+kinds in each candidate dtype, instead of this module's GEMM-based answer.
 
 The choice never loses weight precision: a 16-bit compute dtype is taken only for a checkpoint
 stored in a dtype it holds exactly (bf16 -> float32 is exact, float32 -> bf16 is not), so a
@@ -53,10 +51,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 PROBE_FILE = "compute-probe.json"
 PROBE_MIN_SPEEDUP = 1.5  # bf16 counts as fast when its matmul beats float32 by this factor
-# decode keeps a fast 16-bit dtype while its one-token linear runs at least at this fraction of float32's
-# speed: at parity 16 bits still halve the weights' memory, and a memory-bound step gains from that on bigger models
-DECODE_MIN_RATIO = 0.9
-WORKLOADS = ("batch", "decode")  # batch: GEMMs (calibration, eval, prefill); decode: one token at a time
+WORKLOADS = ("batch", "decode")  # batch: GEMMs (calibration, eval); decode: one token at a time (the loader)
 GEMV_IMPLS = ("linear", "mv")  # one-token 16-bit linear on the CPU: F.linear, or torch.mv (row-major weight)
 # dtypes that hold every value of a storage dtype exactly (float16 -> bfloat16 would drop 3 mantissa bits);
 # bf16 -> fp16 keeps every bf16 weight of a normal model (8 of fp16's 11 mantissa bits, |w| < 65504)
@@ -194,22 +189,17 @@ def _probed(why: str, probe: Optional[Callable[[], bool]]) -> tuple[tuple[torch.
 
 def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setting: Optional[str] = "auto",
            setting_name: str = "dtype", features: Optional[CpuFeatures] = None,
-           probe: Optional[Callable[[], bool]] = None, workload: str = "batch",
-           decode_ratio: Optional[Callable[[torch.dtype], float]] = None,
+           probe: Optional[Callable[[], bool]] = None,
            float32_fits: Optional[Callable[[], bool]] = None) -> ComputeChoice:
     """The compute dtype for a checkpoint stored in `storage` on `device`.
 
     Precedence: an explicit `setting` (named `setting_name` in messages), then QUANTKIT_COMPUTE_DTYPE,
     then the hardware's fast dtype among those holding `storage` exactly, else float32.
 
-    workload: "batch" (GEMMs: calibration, eval) or "decode" (generate, chat): on a CPU, decode keeps a
-    16-bit dtype only where `decode_ratio(dtype)` (float32's one-token linear time over the 16-bit one's;
-    by default `gemv_ratio_cached` at generic shapes) is at least DECODE_MIN_RATIO, or where
-    `float32_fits()` says the model would not fit in memory in float32. Where no fast 16-bit dtype holds
-    the checkpoint, `float32_fits()` (any workload; CPU) keeps a 16-bit checkpoint in its own dtype when
-    float32 would not fit, its GEMMs widened where the CPU is slow in it."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"workload {workload!r}: use one of {', '.join(WORKLOADS)}")
+    This is the answer for GEMMs (calibration, eval); a model loaded to decode on a CPU is planned by
+    `runtime.decode_plan` among the dtypes `exact_dtypes` names. Where no fast 16-bit dtype holds the
+    checkpoint, `float32_fits()` (CPU) keeps a 16-bit checkpoint in its own dtype when float32 would not
+    fit, its GEMMs widened where the CPU is slow in it."""
     dev = str(torch.device(device))
     explicit = parse_dtype(setting or "auto", setting_name)
     if explicit is not None:
@@ -222,8 +212,6 @@ def choose(storage: torch.dtype, device: Union[str, torch.device] = "cpu", setti
     exact = EXACT_FOR.get(storage, (torch.float32,))
     for dtype in fast:
         if dtype in exact:
-            if workload == "decode" and torch.device(device).type == "cpu":
-                return _for_decode(dtype, dev, why, decode_ratio or gemv_ratio_cached, float32_fits)
             return ComputeChoice(dtype, dev, why, "auto")
     if torch.device(device).type == "cuda" and fast and storage == torch.bfloat16:
         return ComputeChoice(fast[0], dev, why, "auto")  # bf16 weights are exact in fp16 but for subnormals
@@ -258,18 +246,9 @@ def needs_wide_matmuls(dtype: torch.dtype, device: Union[str, torch.device], fea
     return dtype not in fast_16bit(device, features, probe)[0]
 
 
-def _for_decode(dtype: torch.dtype, dev: str, why: str, ratio_of: Callable[[torch.dtype], float],
-                float32_fits: Optional[Callable[[], bool]]) -> ComputeChoice:
-    """A fast 16-bit `dtype` for a decode workload on the CPU: kept where its one-token linear keeps up."""
-    ratio = ratio_of(dtype)
-    measured = f"a one-token {_name(dtype)} linear runs at {ratio:.2f}x float32's speed here"
-    if ratio >= DECODE_MIN_RATIO:
-        return ComputeChoice(dtype, dev, f"{why}; {measured}", "auto")
-    if float32_fits is not None and not float32_fits():
-        return ComputeChoice(dtype, dev, f"{why}; {measured}, but the model would not fit in memory in float32",
-                             "auto")
-    return ComputeChoice(torch.float32, dev, f"{why}, but {measured}: decoding in float32 (weights exact, "
-                                             f"twice their memory)", "auto")
+def exact_dtypes(storage: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The compute dtypes that hold a checkpoint stored in `storage` exactly, float32 first."""
+    return (torch.float32,) + ((storage,) if storage in (torch.bfloat16, torch.float16) else ())
 
 
 def holds_exactly(compute: torch.dtype, storage: torch.dtype) -> bool:
@@ -390,12 +369,6 @@ def gemv_timings_cached(dtype: torch.dtype, cache_file: Optional[Path] = None,
     return timings
 
 
-def gemv_ratio_cached(dtype: torch.dtype) -> float:
-    """float32's one-token linear time over `dtype`'s by its faster implementation (above 1: 16 bits faster)."""
-    t = gemv_timings_cached(dtype)
-    return t["float32"] / min(t[impl] for impl in GEMV_IMPLS)
-
-
 @functools.lru_cache(maxsize=None)
 def gemv_impl(dtype: torch.dtype) -> str:
     """How the lean decode step runs a one-token `dtype` linear on this CPU: "mv" or "linear", whichever
@@ -403,6 +376,16 @@ def gemv_impl(dtype: torch.dtype) -> str:
     an AVX-512 Xeon without AMX: F.linear 2.8x faster than torch.mv)."""
     t = gemv_timings_cached(dtype)
     return min(GEMV_IMPLS, key=lambda impl: t[impl])
+
+
+def read_probe_cache(cache_file: Optional[Path] = None) -> dict:
+    """Every cached probe figure (an empty dict when there is no cache or it cannot be read)."""
+    return _read_probe_cache(cache_file)
+
+
+def write_probe_cache(cache_file: Optional[Path], entries: dict) -> None:
+    """Add `entries` to the probe cache (one rename: readers see the old file or the new one)."""
+    _write_probe_entries(cache_file, entries)
 
 
 def _probe_cache_path(cache_file: Optional[Path]) -> Path:
@@ -420,13 +403,17 @@ def _read_probe_cache(cache_file: Optional[Path]) -> dict:
 
 
 def _write_probe_cache(cache_file: Optional[Path], key: str, value) -> None:
+    _write_probe_entries(cache_file, {key: value})
+
+
+def _write_probe_entries(cache_file: Optional[Path], entries: dict) -> None:
     path = _probe_cache_path(cache_file)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # a whole file or none: written beside it and renamed, so a process reading it meanwhile (another job,
         # another test worker) never sees half of it
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**_read_probe_cache(cache_file), key: value}, indent=2) + "\n")
+        tmp.write_text(json.dumps({**_read_probe_cache(cache_file), **entries}, indent=2) + "\n")
         os.replace(tmp, path)
     except OSError as exc:  # a read-only cache only costs a re-probe next time
         log.info("could not cache a probe in %s: %s", path, exc)

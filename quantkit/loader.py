@@ -10,6 +10,7 @@ made, and recorded in the `runtime.state.RuntimeState` the model carries for the
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Union
 
@@ -31,6 +32,7 @@ from quantkit.kernels.wide_matmul import wrap_forward
 from quantkit.qmodules.fp8_linear import plan_dense_cache
 from quantkit.qmodules.kv import attention_modules
 from quantkit.runtime import offload as offload_mod
+from quantkit.runtime import decode_plan
 from quantkit.runtime.state import RuntimeState
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 
 def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = None,
          device: Union[str, torch.device, None] = "cpu", offload: Optional[str] = "none",
-         workload: str = "batch") -> PreTrainedModel:
+         workload: str = "batch", remeasure: bool = False) -> PreTrainedModel:
     """Load a plain or compressed-tensors checkpoint onto `device` (cpu by default; "auto" takes CUDA when
     present, `quantkit.devices`; a device asked for and missing is an error).
 
@@ -51,35 +53,83 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     loads each just before it runs (`runtime.offload`: memory for one layer, much slower); "auto" offloads
     only a model that would not fit in memory. The choice is kept as `model.quantkit_offload`.
 
-    workload: what the model is for, when the dtype is chosen automatically: "batch" (eval, calibration:
-    GEMMs) or "decode" (generate, chat: one token at a time, where some CPUs run bf16 slower than
-    float32; `compute.choose`).
+    workload: what the model is for: "batch" (eval, calibration: GEMMs; exact kernels) or "decode"
+    (generate, chat: one token at a time). On a CPU, decode is planned by timing the model's own layer
+    kinds in each candidate dtype and kernel (`runtime.decode_plan`, cached per machine; `remeasure`
+    times them again); the plan is kept as `model.quantkit_decode_plan` (None for batch).
     """
+    if workload not in compute.WORKLOADS:
+        raise ValueError(f"workload {workload!r}: use one of {', '.join(compute.WORKLOADS)}")
     where = devices.resolve(device, "device")
+    path, plan, stored, config = _describe(path)
+    # (offloaded to disk, only one layer is ever in memory: float32 then always fits)
+    fits = (lambda: True) if offload_mod.mode_of(offload) == "disk" else (lambda: _fits_in_float32(path))
+    kinds = (lambda: _layer_kinds(config, plan, stored)) if workload == "decode" else None
+    choice, decode = compute_choice(dtype, stored, where.device, workload, float32_fits=fits, kinds=kinds,
+                                    remeasure=remeasure)
+    model, adapter, quantized = _skeleton(path, config, plan, choice.dtype)
+    offloading = _fill(model, path, adapter, quantized, choice, stored, offload, where)
+    model.eval()
+    model.requires_grad_(False)  # an inference model: no autograd bookkeeping, and the decode step may fuse weights
+    if decode is not None:
+        decode_plan.apply(model, decode)
+    if not offloading.offloaded:  # offloaded layers prepare their kernels at each load
+        prepare_kernels(model, choice.dtype)
+    model.quantkit_source = str(path)
+    model.quantkit_offload = offloading
+    model.quantkit_compute = choice
+    model.quantkit_decode_plan = decode
+    wrap_forward(model, choice)  # a 16-bit dtype this CPU is slow in: the model's matmuls on float32 GEMMs
+    model.quantkit_device = where
+    # the kernel request the quantized linears took when they were made (QUANTKIT_KERNEL), for the runner
+    model.quantkit_runtime = RuntimeState(kernel=forced_kernel())
+    log.info("%s: %s", path, choice.describe())
+    return model
+
+
+def _describe(path: Union[str, Path, None]) -> tuple[Path, Optional[LoadPlan], torch.dtype, object]:
+    """A checkpoint's resolved path, quantization plan (None: not quantized), stored dtype and transformers
+    config (without its quantization_config: quantkit builds quantized modules itself)."""
     path = resolve_model(None if path is None else str(path))
     raw = read_config(path)
     qc = raw.get("quantization_config")
     plan = parse_quantization_config(qc, f"{path}/config.json") if qc else None
-    stored = checkpoint_dtype(raw)
-    # (offloaded to disk, only one layer is ever in memory: float32 then always fits)
-    fits = (lambda: True) if offload_mod.mode_of(offload) == "disk" else (lambda: _fits_in_float32(path))
-    choice = compute_choice(dtype, stored, where.device, workload, float32_fits=fits)
-    dtype = choice.dtype
     config = model_config(path, raw)
     if hasattr(config, "quantization_config"):
-        del config.quantization_config  # we build quantized modules ourselves
+        del config.quantization_config
+    return path, plan, checkpoint_dtype(raw), config
+
+
+def decode_plan_for(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = None,
+                    remeasure: bool = False) -> tuple[compute.ComputeChoice, decode_plan.DecodePlan]:
+    """What `load(path, dtype, workload="decode")` would choose on this CPU, from the config alone
+    (nothing loaded): the compute choice and the decode plan (`remeasure`: time every figure again)."""
+    path, plan, stored, config = _describe(path)
+    return compute_choice(dtype, stored, torch.device("cpu"), "decode", lambda: _fits_in_float32(path),
+                          lambda: _layer_kinds(config, plan, stored), remeasure)
+
+
+def _skeleton(path: Path, config, plan: Optional[LoadPlan], dtype: torch.dtype):
+    """The model with empty (meta) parameters in `dtype`, quantized linears swapped in. Returns (model,
+    its architecture adapter or None, the names of the quantized linears)."""
     with init_empty_weights(include_buffers=False):
         try:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         except ValueError as exc:
             raise CheckpointError(f"{path}: transformers cannot build this model: {exc}") from None
     unfuse_experts(model)  # MoE: one linear per expert, named as in the checkpoint
-    adapter = find_adapter(config.model_type)
-    to_module = adapter.to_module_name if adapter else (lambda name: name)
     quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
-    kernel = forced_kernel()  # the request the quantized linears just took when they were made, for the state
     if plan and plan.kv_cache_strategy:
         _add_kv_scale_slots(model, plan.kv_cache_strategy)
+    return model, find_adapter(config.model_type), quantized
+
+
+def _fill(model: nn.Module, path: Path, adapter, quantized: set[str], choice: compute.ComputeChoice,
+          stored: torch.dtype, offload: Optional[str], where: devices.DeviceChoice) -> offload_mod.OffloadChoice:
+    """Assign the checkpoint's tensors to the skeleton (the decoder layers left on disk when offloading)
+    and move it to its device. Returns the offload choice."""
+    dtype = choice.dtype
+    to_module = adapter.to_module_name if adapter else (lambda name: name)
     ckpt = LazyCheckpoint(path, to_module)
     owner_quantized = quantized.__contains__
     try:
@@ -91,7 +141,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     if offloading.offloaded:
         if adapter is None:
             raise offload_mod.OffloadError(f"{path}: --offload disk needs an architecture quantkit knows "
-                                           f"(model_type {config.model_type!r} has no adapter)")
+                                           f"(model_type {model.config.model_type!r} has no adapter)")
         offloader = offload_mod.DiskOffload(model, ckpt, adapter.layers_path, owner_quantized, dtype, where.device)
         skip = offloader.offloaded_keys
         resident = ((ckpt.stored_name(k), ckpt.get(k)) for k in ckpt.keys() if k not in skip)
@@ -101,30 +151,50 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
         _assign_tensors(model, path, quantized, dtype, to_module)
     if where.is_accelerator:
         offload_mod.move_resident(model, where.device)  # offloaded slots stay on meta until their layer runs
-    model.eval()
-    model.requires_grad_(False)  # an inference model: no autograd bookkeeping, and the decode step may fuse weights
-    if choice.source == "auto" and dtype == torch.float32:  # float32 for want of fast bf16: W4A16 layers
-        for module in model.modules():                        # may run their int4 op in bf16 (A16)
-            if hasattr(module, "fast_activations"):
-                module.fast_activations = True
-    if not offloading.offloaded:  # offloaded layers prepare their kernels at each load
-        prepare_kernels(model, dtype)
-    model.quantkit_source = str(path)
-    model.quantkit_offload = offloading
-    model.quantkit_compute = choice
-    wrap_forward(model, choice)  # a 16-bit dtype this CPU is slow in: the model's matmuls on float32 GEMMs
-    model.quantkit_device = where
-    model.quantkit_runtime = RuntimeState(kernel=kernel)
-    log.info("%s: %s", path, choice.describe())
-    return model
+    return offloading
 
 
 def compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype, device: torch.device,
-                   workload: str = "batch", float32_fits=None) -> compute.ComputeChoice:
+                   workload: str = "batch", float32_fits=None, kinds=None,
+                   remeasure: bool = False) -> tuple[compute.ComputeChoice, Optional[decode_plan.DecodePlan]]:
+    """The compute choice, and for the decode workload on a CPU the decode plan (None otherwise).
+
+    kinds: a function giving the model's layer kinds (`decode_plan.layer_kinds`), called only when a plan
+    is made. An automatic choice plans among every dtype that holds the checkpoint exactly (its own 16
+    bits only when float32 would not fit), narrowed int4 activations allowed; a dtype asked for is kept
+    and only its kernels are planned."""
     if isinstance(dtype, torch.dtype):
-        return compute.asked_for(dtype, storage, device, f"dtype={str(dtype).removeprefix('torch.')} asked for",
+        base = compute.asked_for(dtype, storage, device, f"dtype={str(dtype).removeprefix('torch.')} asked for",
                                  "setting")
-    return compute.choose(storage, device, dtype or "auto", "dtype", workload=workload, float32_fits=float32_fits)
+    else:
+        base = compute.choose(storage, device, dtype or "auto", "dtype", float32_fits=float32_fits)
+    if workload != "decode" or torch.device(device).type != "cpu" or kinds is None:
+        return base, None
+    auto = base.source == "auto"
+    if auto:
+        fits = float32_fits is None or float32_fits()
+        dtypes = compute.exact_dtypes(storage) if fits else (base.dtype,)
+    else:
+        dtypes = (base.dtype,)
+    plan = decode_plan.choose(kinds(), dtypes, narrowing=auto, remeasure=remeasure)
+    if not auto:
+        return replace(base, reason=f"{base.reason}; {plan.describe()}"), plan
+    dtype = plan.choice.dtype
+    reason = f"{base.reason}; {plan.describe()}: {plan.choice.describe()}"
+    return compute.ComputeChoice(dtype, base.device, reason, "auto",
+                                 wide_matmuls=compute.needs_wide_matmuls(dtype, device)), plan
+
+
+def _layer_kinds(config, plan: Optional[LoadPlan], stored: torch.dtype) -> dict:
+    """The layer kinds of the model `config` and `plan` describe (quantized linears as they will load, with
+    scales in the checkpoint's dtype), from a skeleton that holds no tensors at all."""
+    with init_empty_weights(include_buffers=True):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=stored)
+    unfuse_experts(skeleton)
+    if plan:
+        with torch.device("meta"):
+            _swap_quantized_modules(skeleton, plan, stored)
+    return decode_plan.layer_kinds(skeleton.modules())
 
 
 def _fits_in_float32(path: Path) -> bool:

@@ -215,51 +215,11 @@ def test_the_probe_cache_keeps_limited_environments_apart(monkeypatch):
 # -- the decode workload: one token at a time ----------------------------------------------------
 
 
-def _never_gemv(dtype):
-    raise AssertionError("the one-token probe must not run here")
+def test_an_unknown_workload_is_an_error(tiny_llama):
+    from quantkit.loader import load
 
-
-@pytest.mark.parametrize("ratio, fits, expected, words", [
-    (0.55, True, torch.float32, "a one-token bfloat16 linear runs at 0.55x float32's speed here: decoding in float32"),
-    (0.95, True, torch.bfloat16, "runs at 0.95x float32's speed"),  # near parity: 16 bits halve the weights' memory
-    (2.10, True, torch.bfloat16, "runs at 2.10x float32's speed"),
-    (0.55, False, torch.bfloat16, "but the model would not fit in memory in float32"),
-])
-def test_decode_keeps_16_bits_only_where_its_one_token_linear_keeps_up(ratio, fits, expected, words):
-    asked = []
-    choice = choose(torch.bfloat16, "cpu", features=AMX, probe=_never_probe, workload="decode",
-                    decode_ratio=lambda d: asked.append(d) or ratio, float32_fits=lambda: fits)
-    assert choice.dtype == expected and asked == [torch.bfloat16] and choice.source == "auto"
-    assert words in choice.reason and "AVX512 with avx512_bf16 and AMX, fast bf16" in choice.reason
-    # the batch workload (calibration, eval) never asks: its GEMMs are what the 16-bit choice is about
-    assert choose(torch.bfloat16, "cpu", features=AMX, probe=_never_probe,
-                  decode_ratio=_never_gemv).dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize("features, storage, setting, env", [
-    (AVX2, torch.bfloat16, "auto", ""),          # float32 already: nothing to measure
-    (AMX, torch.float32, "auto", ""),            # a float32 checkpoint computes in float32
-    (AMX, torch.bfloat16, "bfloat16", ""),       # asked for
-    (AMX, torch.bfloat16, "auto", "bfloat16"),   # QUANTKIT_COMPUTE_DTYPE
-])
-def test_decode_measures_only_an_automatic_16_bit_choice(monkeypatch, features, storage, setting, env):
-    if env:
-        monkeypatch.setenv(compute.ENV, env)
-    expected = choose(storage, "cpu", setting, features=features, probe=_never_probe)
-    got = choose(storage, "cpu", setting, features=features, probe=_never_probe, workload="decode",
-                 decode_ratio=_never_gemv, float32_fits=lambda: True)
-    assert got == expected
-
-
-def test_decode_on_cuda_is_not_measured(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
-    assert choose(torch.bfloat16, "cuda:0", workload="decode", decode_ratio=_never_gemv).dtype == torch.bfloat16
-
-
-def test_an_unknown_workload_is_an_error():
     with pytest.raises(ValueError, match="workload 'train': use one of batch, decode"):
-        choose(torch.bfloat16, "cpu", features=AVX2, workload="train")
+        load(tiny_llama, workload="train")
 
 
 def test_the_one_token_probe_is_cached_per_machine_and_dtype(tmp_path):
@@ -307,18 +267,6 @@ def test_the_lean_step_runs_16_bit_gemvs_by_the_probed_implementation(monkeypatc
     assert (y.float() - reference).abs().max() <= 0.02 * reference.abs().max()
 
 
-def test_generate_loads_for_decode_and_says_so(tiny_llama, monkeypatch):
-    from quantkit.loader import load
-
-    monkeypatch.setattr(compute, "cpu_features", lambda: AMX)
-    monkeypatch.setattr(compute, "gemv_ratio_cached", lambda dtype: 0.5)
-    decode = load(tiny_llama, workload="decode")  # a bf16 checkpoint
-    assert decode.dtype == torch.float32 and "decoding in float32" in decode.quantkit_compute.describe()
-    assert load(tiny_llama).dtype == torch.bfloat16  # eval's batch workload keeps the fast GEMMs
-    monkeypatch.setattr(compute, "gemv_ratio_cached", lambda dtype: 1.5)
-    assert load(tiny_llama, workload="decode").dtype == torch.bfloat16
-
-
 def test_float32_fit_is_judged_from_the_headers(tiny_llama, monkeypatch):
     from quantkit import loader, memory
     from quantkit.formats.lazy import LazyCheckpoint
@@ -340,11 +288,9 @@ def _numel(shape) -> int:
 # -- a 16-bit model that fits in memory only as stored ---------------------------------------------
 
 
-@pytest.mark.parametrize("workload", ["batch", "decode"])
-def test_a_16_bit_model_too_large_for_float32_stays_16_bit_where_the_cpu_is_slow_in_it(workload):
+def test_a_16_bit_model_too_large_for_float32_stays_16_bit_where_the_cpu_is_slow_in_it():
     def avx2(**kw):
-        return choose(kw.pop("storage", torch.bfloat16), "cpu", features=AVX2, probe=_never_probe, workload=workload,
-                      decode_ratio=_never_gemv, **kw)
+        return choose(kw.pop("storage", torch.bfloat16), "cpu", features=AVX2, probe=_never_probe, **kw)
 
     kept = avx2(float32_fits=lambda: False)
     assert kept.dtype == torch.bfloat16 and kept.wide_matmuls and kept.source == "auto"

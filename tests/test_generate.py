@@ -251,20 +251,18 @@ def test_lean_decode_fuses_int4_qkv_without_copying_weights(tokenizer, tmp_path)
 
 def test_lean_int4_linears_run_the_op_directly_in_bf16_with_the_modules_results(tiny_llama, tokenizer, tmp_path,
                                                                                   monkeypatch):
-    """float32 activations with the CPU int4 op in bf16 (the probe's choice where that is faster): the
+    """float32 activations with the CPU int4 op in bf16 (a decode plan's narrowed choice, said): the
     step calls the op directly (o/down as `_Int4`, no module call) and leaves its bf16 output to the
     consumers, which promote it to float32 exactly: each call equals the module's output, with and
     without a bias, and the step's logits equal transformers' forward through the same modules."""
-    from quantkit.kernels import cpu_int4
     from quantkit.qmodules.int_linear import PackedIntLinear
 
-    monkeypatch.setattr(cpu_int4, "op_dtype", lambda dtype: torch.bfloat16)
     out = quantize(str(tiny_llama), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]), tmp_path / "q",
                    progress=False).output
     model = quantkit.load(out, dtype=torch.float32)
     for m in model.modules():
         if isinstance(m, PackedIntLinear):
-            m.fast_activations = True
+            m.op_dtype = torch.bfloat16  # as a decode plan that chose narrowed int4 activations sets it
     ids = sample_ids(tokenizer, 1, 12)
     ref = model(ids).logits[:, -4:]
     ours = _lean_logits(model, ids, 4)

@@ -64,16 +64,14 @@ def test_float32_inputs_can_run_the_op_in_bf16():
     the cast input (a W4A16 layer's 16-bit activations)."""
     codes, scale, zp = _weight(64, 256, 64, True)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
-    assert cpu_int4.op_dtype(torch.float32) in (torch.float32, torch.bfloat16)
-    assert cpu_int4.op_dtype(torch.bfloat16) == torch.bfloat16
     w = cpu_int4.repack(codes, scale, zp, 64, torch.bfloat16)
     y = w.matmul(x)
     assert y.dtype == torch.float32 and torch.equal(y, w.matmul(x.to(torch.bfloat16)).float())
 
 
-def test_loader_lets_int4_layers_run_fast_only_when_float32_was_not_asked_for(tiny_models, tmp_path, monkeypatch):
-    """float32 chosen by the policy (no fast bf16 here) lets W4A16 layers use the faster op dtype;
-    float32 asked for (dtype=, QUANTKIT_COMPUTE_DTYPE) keeps them exact."""
+def test_the_loader_never_narrows_int4_activations_for_the_batch_workload(tiny_models, tmp_path, monkeypatch):
+    """float32 chosen by the policy (as on an AVX2 CPU) or asked for: W4A16 layers run the op in float32, exactly
+    as the model computes (until 2026-12-05 the policy's float32 let them round activations to bf16 unsaid)."""
     import quantkit
     from quantkit import compute
     from quantkit.job import quantize
@@ -84,11 +82,11 @@ def test_loader_lets_int4_layers_run_fast_only_when_float32_was_not_asked_for(ti
                    tmp_path / "q", progress=False).output
     monkeypatch.setattr(compute, "cpu_features", lambda: compute.CpuFeatures("AVX2", True))
     monkeypatch.delenv(compute.ENV, raising=False)  # the policy's own choice, whatever the suite was run with
-    auto = quantkit.load(out)
-    asked = quantkit.load(out, dtype="float32")
-    assert auto.quantkit_compute.name == "float32" and auto.quantkit_compute.source == "auto"
-    flags = lambda m: {x.fast_activations for x in m.modules() if isinstance(x, PackedIntLinear)}  # noqa: E731
-    assert flags(auto) == {True} and flags(asked) == {False}
+    for model in (quantkit.load(out), quantkit.load(out, dtype="float32")):
+        assert model.quantkit_compute.name == "float32"
+        linears = [m for m in model.modules() if isinstance(m, PackedIntLinear)]
+        assert linears and {m.op_dtype for m in linears} == {None}
+        assert {m._prepared[2].dtype for m in linears if m.kernel == "cpu"} == {torch.float32}
 
 
 def test_cpu_int4_rejects_what_it_cannot_run():
@@ -140,6 +138,77 @@ def test_triton_w4a16_configs_and_split_k(block_m, block_n, block_k, split):
     y = triton_w4a16.matmul(x, w, bias, config=config)
     _close(y, reference.int_weight_matmul(x.float(), codes.to(DEVICE), scale.to(DEVICE), zp.to(DEVICE), 64,
                                           bias.float()))
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("block_n,block_w,split,group,symmetric,k", [
+    (32, 4, 1, 64, True, 192),    # a K step of 32 inside a group of 64: the scale once per column, after the products
+    (16, 8, 3, 32, False, 192),   # a K step of 64 over two groups of 32: per-element scales; slices end mid-way
+    (64, 16, 4, 128, True, 384),  # three K steps of 128 over four slices: one slice left empty
+    (32, 2, 16, "channel", False, 200),  # K not a multiple of the step: the last step partly masked
+])
+def test_triton_w4a16_gemv_configs(m, block_n, block_w, split, group, symmetric, k):
+    """The decode GEMV (each packed word loaded once, unpacked in registers) gives the reference's result in
+    every tiling: one row by multiply-and-sum, several by tl.dot, with and without zero points and split K."""
+    import triton
+
+    from quantkit.kernels import triton_w4a16
+
+    n = 40
+    gs = k if group == "channel" else group
+    codes, scale, zp = _weight(n, k, gs, symmetric, seed=m)
+    w = triton_w4a16.repack(pack_int32(codes, 4, 1).to(DEVICE), scale.to(DEVICE),
+                            None if zp is None else zp.to(DEVICE), gs, k)
+    config = triton.Config({"BLOCK_N": block_n, "BLOCK_W": block_w, "SPLIT_K": split})
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+        y = triton_w4a16.matmul(x, w, config=config)
+        assert y.shape == (m, n) and y.dtype == dtype
+        _close(y, reference.int_weight_matmul(x.float(), codes.to(DEVICE), scale.to(DEVICE),
+                                              None if zp is None else zp.to(DEVICE), gs))
+
+
+# -- torch's CUDA int4 op (a GPU only) ----------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_cuda_int4_nibble_order_fixed_values():
+    """The CUDA op's input: element 2j in byte j's high nibble, offset binary (runs anywhere: pure torch)."""
+    from quantkit.kernels import cuda_int4
+
+    codes = torch.tensor([[-8, 7, 0, -1]], dtype=torch.int8)  # u = 0, 15, 8, 7
+    assert cuda_int4.pack_nibbles(codes).tolist() == [[0x0F, 0x87]]
+    table = cuda_int4.scale_zeros(torch.tensor([[0.5, 2.0]]), torch.tensor([[1, -2]], dtype=torch.int8), 1)
+    assert table.shape == (2, 1, 2) and table.float().tolist() == [[[0.5, -0.5]], [[2.0, 4.0]]]
+
+
+def test_cuda_int4_refuses_what_it_cannot_run():
+    from quantkit.kernels import cuda_int4
+
+    assert "CUDA tensors" in cuda_int4.unsupported_reason(torch.device("cpu"), 4, 256, 64, 64)
+    assert cuda_int4.kernel_group_size(4096, 4096) == 256 and cuda_int4.inner_k_tiles(4096) == 8
+    assert cuda_int4.inner_k_tiles(48) is None
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 5, 16, 64])
+@pytest.mark.parametrize("group,symmetric,n,k", [(32, True, 64, 256), (128, False, 96, 512), ("channel", True, 32, 768)])
+def test_cuda_int4_matches_reference(m, group, symmetric, n, k):
+    from quantkit.kernels import cuda_int4
+
+    gs = k if group == "channel" else group
+    codes, scale, zp = _weight(n, k, gs, symmetric, seed=m)
+    dev = torch.device("cuda")
+    w = cuda_int4.repack(codes.to(dev), scale.to(dev), None if zp is None else zp.to(dev), gs)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(dev)
+    bias = torch.randn(n).to(torch.bfloat16).to(dev)
+    y = w.matmul(x, bias)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    # the op rounds scales and zeros (-zp * scale) to bf16: the reference with those values
+    _close(y, reference.int_weight_matmul(x.float(), codes.to(dev), scale.to(dev), None if zp is None else zp.to(dev),
+                                          gs, bias.float()))
 
 
 @needs_triton
@@ -228,6 +297,45 @@ def test_fp8_gemm_matches_reference(m, per_token, per_channel, fp8_dot):
 
 
 @needs_triton
+def test_scaled_mm_refuses_what_it_cannot_run(monkeypatch):
+    from quantkit.kernels import cuda_fp8
+
+    assert "CUDA tensors" in cuda_fp8.unsupported_reason(torch.device("cpu"), 64, 64, True, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "no FP8 tensor cores" in cuda_fp8.unsupported_reason(torch.device("cuda"), 64, 64, True, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    assert cuda_fp8.unsupported_reason(cuda, 64, 64, True, torch.bfloat16) is None
+    assert "multiples of 16" in cuda_fp8.unsupported_reason(cuda, 72, 40, False, torch.bfloat16)
+    assert "row-wise scales give bf16" in cuda_fp8.unsupported_reason(cuda, 64, 64, True, torch.float16)
+    assert cuda_fp8.unsupported_reason(cuda, 64, 64, False, torch.float16) is None  # per tensor: any output
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16, 1024])
+@pytest.mark.parametrize("per_token,per_channel", [(True, True), (False, False), (True, False), (False, True)])
+def test_scaled_mm_matches_reference(m, per_token, per_channel):
+    from quantkit.kernels import cuda_fp8, triton_fp8
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    dev, n, k = torch.device("cuda"), 256, 512
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(dev)
+    w = torch.randn(n, k, generator=g).to(dev)
+    ws = (w.abs().amax(dim=1, keepdim=True) / 448) if per_channel else (w.abs().amax() / 448).reshape(1)
+    wq = (w / ws).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if per_token:
+        xq, xs = triton_fp8.quantize_per_token(x)
+    else:
+        xs = (x.float().abs().amax() / 448).reshape(1)
+        xq = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16).to(dev)
+    y = cuda_fp8.matmul(xq, xs, wq, ws, torch.bfloat16, bias)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _close(y, reference.fp8_matmul(xq, xs, wq, ws, torch.float32, bias))
+
+
 def test_fp8_gemm_rejects_bad_input():
     from quantkit.kernels import triton_fp8
 
@@ -260,7 +368,7 @@ def test_choice_logic(monkeypatch):
     with pytest.raises(KernelError, match="QUANTKIT_KERNEL=cpu cannot run.*group size 16"):
         choose_int_kernel(cpu, 4, 256, 16)
     monkeypatch.setenv("QUANTKIT_KERNEL", "fast")
-    with pytest.raises(KernelError, match="names no kernel; use one of: auto, triton, cpu, torch"):
+    with pytest.raises(KernelError, match="names no kernel; use one of: auto, triton, cuda, cpu, torch"):
         choose_int_kernel(cpu, 4, 256, 64)
     monkeypatch.setenv("QUANTKIT_KERNEL", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -271,6 +379,24 @@ def test_choice_logic(monkeypatch):
     assert choose_int_kernel(cpu, 4, 256, 64) == "triton"
     with pytest.raises(KernelError, match="4-bit weights, not 8-bit"):
         choose_int_kernel(cpu, 8, 256, 64)
+
+
+def test_cuda_candidates_keep_bf16_kernels_for_bf16_inputs(monkeypatch):
+    """On a CUDA device (faked: a capability 9.0 card) torch's int4 op is a candidate only for bf16 inputs, ahead of
+    Triton (the two are then timed); forced for float32 inputs it is refused, naming the dtype."""
+    from quantkit.kernels.select import int_kernels
+
+    monkeypatch.delenv("QUANTKIT_KERNEL", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    triton_ok = importlib.util.find_spec("triton") is not None
+    expected = ("cuda", "triton", "torch") if triton_ok else ("cuda", "torch")
+    assert int_kernels(cuda, 4, 4096, 128, 4096, torch.bfloat16) == expected
+    assert int_kernels(cuda, 4, 4096, 128, 4096, torch.float32) == expected[1:]
+    assert int_kernels(cuda, 4, 4096, 128, 4100, torch.bfloat16) == expected[1:]  # N not a multiple of 8
+    assert int_kernels(cuda, 8, 4096, 128, 4096, torch.bfloat16) == ("torch",)
+    with pytest.raises(KernelError, match="computes in bfloat16 and the inputs are float32"):
+        int_kernels(cuda, 4, 4096, 128, 4096, torch.float32, forced="cuda")
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(num_bits=4, group_size=32),

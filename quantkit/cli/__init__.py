@@ -58,10 +58,10 @@ def _terminate_cleanly() -> None:
 
 
 def _register() -> None:
-    from quantkit.cli import (clean, convert, eval_cmd, export, generate, models, plan, plugins, quantize, recipes,
-                              report)
+    from quantkit.cli import (clean, convert, doctor, eval_cmd, export, generate, models, plan, plugins, quantize,
+                              recipes, report)
 
-    for module in (clean, convert, eval_cmd, export, generate, models, plan, plugins, quantize, recipes, report):
+    for module in (clean, convert, doctor, eval_cmd, export, generate, models, plan, plugins, quantize, recipes, report):
         main.add_command(module.command)
     main.add_command(generate.chat_command)
 

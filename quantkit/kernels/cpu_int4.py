@@ -10,8 +10,6 @@ The repack happens once, when the model is loaded.
 
 from __future__ import annotations
 
-import functools
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,8 +18,9 @@ import torch
 GROUP_SIZES = (256, 128, 64, 32)
 # The op is a GEMV at heart: its time grows ~0.27 ms per token for a 4096 x 4096 weight here, so
 # from about this many tokens on, dequantizing once and running a bf16 GEMM is faster (measured
-# on 4096 x 4096, bf16: 128 tokens 37 vs 47 ms, 256 tokens 72 vs 53 ms). The quantized linear
-# switches to its dequantize path above it (prefill of long prompts, perplexity windows).
+# on 4096 x 4096, bf16: 128 tokens 37 vs 47 ms, 256 tokens 72 vs 53 ms). A quantized linear
+# switches to its dequantize path above it (perplexity windows) unless the decode plan measured
+# another limit for its kind (`runtime.decode_plan`: prompts of a generate).
 MAX_TOKENS = 160
 N_MULTIPLE = 16
 ROW_BLOCK = 64  # the op packs rows in blocks of 64: packed weights of such blocks concatenate along N
@@ -68,8 +67,8 @@ class Int4PackedCPU:
         return self.scale_zeros.dtype
 
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, cast_back: bool = True) -> torch.Tensor:
-        """x @ W^T (+ bias); the op itself runs in the dtype of the scales (`op_dtype`: bf16 for float32
-        inputs where that is faster here, a W4A16 layer's 16-bit activations). cast_back: the result in
+        """x @ W^T (+ bias); the op itself runs in the dtype of the scales (the input's, or bf16 for float32
+        inputs where the decode plan chose and said so: a W4A16 layer's 16-bit activations). cast_back: the result in
         x's dtype; without it (and without a bias) it stays in the op's dtype, for a caller whose
         consumers promote it exactly (the lean decode step)."""
         shape = x.shape
@@ -87,35 +86,11 @@ class Int4PackedCPU:
         return y.reshape(*shape[:-1], self.out_features)
 
 
-@functools.lru_cache(maxsize=None)
-def op_dtype(activation: torch.dtype) -> torch.dtype:
-    """The dtype the op runs in for `activation` inputs: float32 inputs go through bf16 when that is
-    at least 1.3x faster on this CPU, casts included (measured once per process, ~30 ms). Measured on
-    an AVX512+AMX Xeon: float32 502 us, bf16 34 us for a 576 x 576 layer at one token, so a float32
-    compute dtype (the policy's choice on CPUs without fast bf16 GEMMs) would have made W4A16 decode
-    slower than 16-bit decode."""
-    if activation != torch.float32 or not available():
-        return activation
-    g = torch.Generator().manual_seed(0)
-    codes = torch.randint(-8, 8, (1024, 1024), generator=g, dtype=torch.int8)
-    scale = torch.rand(1024, 8, generator=g) * 0.01 + 0.001
-    x = torch.randn(1, 1024, generator=g)
-    seconds = {}
-    for dt in (torch.float32, torch.bfloat16):
-        w = _repack(codes, scale, None, 128, dt)
-        w.matmul(x)
-        start = time.perf_counter()
-        for _ in range(10):
-            w.matmul(x)
-        seconds[dt] = time.perf_counter() - start
-    return torch.bfloat16 if seconds[torch.bfloat16] * 1.3 < seconds[torch.float32] else torch.float32
-
-
 def repack(codes: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: int,
            dtype: torch.dtype, inner_k_tiles: int = 2) -> Int4PackedCPU:
     """codes int8 [N, K] in [-8, 7], scale [N, G], zero_point int [N, G] or None -> the op's layout.
 
-    dtype: the dtype the op runs in (the activations are cast to it: see `op_dtype`); the scales are kept in it."""
+    dtype: the dtype the op runs in (the activations are cast to it); the scales are kept in it."""
     n, k = codes.shape
     kg = kernel_group_size(k, group_size)
     if kg is None:
@@ -133,12 +108,3 @@ def repack(codes: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), inner_k_tiles)
     scale_zeros = torch.stack([s.t(), zero.t()], dim=-1).contiguous().to(dtype)  # [K / kg, N_pad, 2]
     return Int4PackedCPU(packed, scale_zeros, kg, n)
-
-
-def _repack(codes, scale, zero_point, group_size, dtype) -> Int4PackedCPU:
-    """`repack` with the scales in exactly `dtype` (for the probe)."""
-    n, k = codes.shape
-    u = codes.to(torch.int32) + 8
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)
-    zero = torch.zeros_like(scale)
-    return Int4PackedCPU(packed, torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(dtype), group_size, n)

@@ -4,7 +4,8 @@ Buffers are exactly the checkpoint's tensors: `weight` (float8_e4m3fn [out, in])
 ([1] per tensor, [out, 1] per channel, [out/bn, in/bk] per block) and, for static activation
 quantization, `input_scale` ([1]). Activations are quantized as the scheme says (dynamic per
 token, or static with input_scale) before the matmul, so the effect of FP8 activations is in
-every output: on CUDA through the Triton FP8 GEMM (per-tensor / per-channel weights), elsewhere
+every output: on CUDA through cuBLASLt's FP8 GEMM (`torch._scaled_mm`, `kernels.cuda_fp8`) where the
+device has FP8 tensor cores, else the Triton FP8 GEMM (per-tensor / per-channel weights), elsewhere
 by emulation (quantize-dequantize with the same scales, then a matmul in the input's dtype).
 
 Emulation dequantizes the weight; `keep_dense` keeps that copy (per dtype, device and weight
@@ -78,17 +79,30 @@ class Fp8Linear(nn.Module):
     def kernel(self) -> str:
         return self._choose(self.weight.device)
 
-    def _choose(self, device: torch.device) -> str:
+    def _choose(self, device: torch.device, dtype: Optional[torch.dtype] = None) -> str:
+        """"cuda" (torch._scaled_mm), "triton" or "torch" (emulation) for inputs on `device` in `dtype`: the
+        forced kernel, else on CUDA cuBLASLt's FP8 GEMM where it can run (`kernels.cuda_fp8`), else Triton."""
         forced = self.kernel_request
         usable = self.scheme.strategy != "block" and self.scheme.input_activations is not None
         reason = triton_device_reason(device) if usable else "block weights / weight-only FP8 run emulated"
+        scaled = self._scaled_mm_reason(device, dtype or self.weight_scale.dtype) if usable else reason
         if forced == "triton" and reason:
             raise KernelError(f"{ENV}=triton cannot run this FP8 layer: {reason}")
+        if forced == "cuda" and scaled:
+            raise KernelError(f"{ENV}=cuda cannot run this FP8 layer: {scaled}")
         if forced == "cpu":
             raise KernelError(f"{ENV}=cpu: there is no CPU FP8 kernel; FP8 layers run by emulation (unset {ENV}, or =torch)")
-        if forced == "torch" or reason:
-            return "torch"
-        return "triton" if device.type == "cuda" or forced == "triton" else "torch"
+        if forced in ("torch", "triton", "cuda"):
+            return forced
+        if device.type == "cuda" and scaled is None:
+            return "cuda"
+        return "triton" if device.type == "cuda" and not reason else "torch"
+
+    def _scaled_mm_reason(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        from quantkit.kernels import cuda_fp8
+
+        rowwise = self.scheme.strategy == "channel" or self.input_scale is None
+        return cuda_fp8.unsupported_reason(device, self.out_features, self.in_features, rowwise, dtype)
 
     def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.input_scale is None:  # dynamic per token
@@ -97,14 +111,16 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         acts = self.scheme.input_activations
-        if self._choose(x.device) == "triton":
-            from quantkit.kernels import triton_fp8
+        kernel = self._choose(x.device, x.dtype)
+        if kernel in ("triton", "cuda"):
+            from quantkit.kernels import cuda_fp8, triton_fp8
 
             if self.input_scale is None:
                 xq, xs = triton_fp8.quantize_per_token(x)
             else:
                 xq, xs = self._quantize_input(x)
-            return triton_fp8.matmul(xq, xs, self.weight, self.weight_scale, x.dtype, self.bias)
+            gemm = cuda_fp8.matmul if kernel == "cuda" else triton_fp8.matmul
+            return gemm(xq, xs, self.weight, self.weight_scale, x.dtype, self.bias)
         if acts is not None:  # emulation: the values the FP8 GEMM would multiply
             xq, xs = self._quantize_input(x)
             x = (xq.float() * xs).to(x.dtype)

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit.kernels import cpu_int4
-from quantkit.kernels.select import choose_int_kernel, forced_kernel
-from quantkit.quant.intq import QuantizedWeight, dequantize
+from quantkit.kernels import cpu_int4, cuda_int4
+from quantkit.kernels.select import fastest, forced_kernel, int_kernels
+from quantkit.quant.intq import QuantizedWeight, dequantize, dequantize_packed4
 from quantkit.quant.packing import pack_int32, packed_size, unpack_int32
 from quantkit.schemes import QuantScheme
 
@@ -48,9 +48,11 @@ class PackedIntLinear(nn.Module):
             self.weight_zero_point = None
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=scale_dtype, device=device), requires_grad=False) if bias else None
         self._prepared: Optional[tuple] = None  # (key, kernel name, repacked weight or None)
-        # float32 inputs may run the CPU int4 op in bf16 where that is faster (`cpu_int4.op_dtype`): set by
-        # the loader when float32 is the machine's automatic choice, never when float32 was asked for
-        self.fast_activations = False
+        # the CPU int4 op's dtype (None: the input's, exact) and up to how many tokens it runs (longer inputs
+        # dequantize once per forward): the decode plan sets both from measurements (`runtime.decode_plan`),
+        # a narrower op dtype only when the plan chose it and said so
+        self.op_dtype: Optional[torch.dtype] = None
+        self.op_tokens: int = cpu_int4.MAX_TOKENS
         # the kernel asked for (None: automatic): QUANTKIT_KERNEL as it was when the module was made; the loader
         # sets it once per model, `kernels.select.use_kernel` changes it
         self.kernel_request: Optional[str] = forced_kernel()
@@ -79,6 +81,10 @@ class PackedIntLinear(nn.Module):
         return QuantizedWeight(self.codes(), self.weight_scale, self.zero_points(), self.scheme)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.in_features % 8 == 0:  # 4-bit words without padding: straight from the packed words
+            w = dequantize_packed4(self.weight_packed, self.weight_scale, self.zero_points(), self.scheme, dtype)
+            if w is not None:
+                return w
         return dequantize(self.codes(), self.weight_scale, self.zero_points(), self.scheme, dtype)
 
     @property
@@ -95,28 +101,41 @@ class PackedIntLinear(nn.Module):
         device, dtype, weight version and kernel request). Returns the kernel's name."""
         device = torch.device(device) if device is not None else self.weight_packed.device
         dtype = dtype or self.weight_scale.dtype
-        key = (self.kernel_request, device, dtype, self.fast_activations, self.weight_packed._version, self.weight_scale._version,
-               None if self.weight_zero_point is None else self.weight_zero_point._version)
+        key = (self.kernel_request, device, dtype, self.op_dtype, self.op_tokens, self.weight_packed._version,
+               self.weight_scale._version, None if self.weight_zero_point is None else self.weight_zero_point._version)
         if self._prepared is not None and self._prepared[0] == key:
             return self._prepared[1]
-        name = choose_int_kernel(device, self.scheme.num_bits, self.in_features, self.kernel_group_size,
-                                 self.kernel_request)
-        packed = None
-        if name == "cpu":
-            op = cpu_int4.op_dtype(dtype) if self.fast_activations else dtype
-            packed = cpu_int4.repack(self.codes(), self.weight_scale, self.zero_points(), self.kernel_group_size, op)
-        elif name == "triton":
-            from quantkit.kernels import triton_w4a16  # imports triton: only when it is used
-
-            packed = triton_w4a16.repack(self.weight_packed, self.weight_scale, self.zero_points(),
-                                         self.kernel_group_size, self.in_features)
+        names = int_kernels(device, self.scheme.num_bits, self.in_features, self.kernel_group_size,
+                            self.out_features, self.op_dtype or dtype, self.kernel_request)
+        name = names[0]
+        if name == "cpu" and self.op_tokens < 1 and self.kernel_request is None:
+            name = "torch"  # the plan found dequantizing faster at every size: no repacked copy
+        packs = {n: self._pack(n, dtype) for n in names[:-1] if n in ("cuda", "triton")}
+        if len(packs) > 1:  # CUDA, bf16: torch's int4 op or Triton, whichever is faster on this shape here
+            x = torch.randn(1, self.in_features, device=device, dtype=dtype)
+            shape = (torch.cuda.get_device_name(device), self.out_features, self.in_features, self.kernel_group_size,
+                     self.weight_zero_point is None, dtype)
+            name = fastest(shape, {n: (lambda n=n: self._run(n, packs[n], x)) for n in packs})
+        packed = packs[name] if name in packs else self._pack(name, dtype)
         self._prepared = (key, name, packed)
         return name
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        name = self.prepare(x.device, x.dtype)
-        packed = self._prepared[2]
-        if name == "cpu" and x.numel() // self.in_features <= cpu_int4.MAX_TOKENS:
+    def _pack(self, name: str, dtype: torch.dtype):
+        """The weight repacked for kernel `name` (None for torch's reference: it dequantizes per forward)."""
+        if name == "cpu":
+            return cpu_int4.repack(self.codes(), self.weight_scale, self.zero_points(), self.kernel_group_size,
+                                   self.op_dtype or dtype)
+        if name == "cuda":
+            return cuda_int4.repack(self.codes(), self.weight_scale, self.zero_points(), self.kernel_group_size)
+        if name == "triton":
+            from quantkit.kernels import triton_w4a16  # imports triton: only when it is used
+
+            return triton_w4a16.repack(self.weight_packed, self.weight_scale, self.zero_points(),
+                                       self.kernel_group_size, self.in_features)
+        return None
+
+    def _run(self, name: str, packed, x: torch.Tensor) -> torch.Tensor:
+        if name in ("cpu", "cuda"):
             return packed.matmul(x, self.bias)
         if name == "triton":
             from quantkit.kernels import triton_w4a16
@@ -124,6 +143,12 @@ class PackedIntLinear(nn.Module):
             return triton_w4a16.matmul(x, packed, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        name = self.prepare(x.device, x.dtype)
+        if name == "cpu" and x.numel() // self.in_features > self.op_tokens:
+            name = "torch"  # a long input: dequantize once and run one GEMM
+        return self._run(name, self._prepared[2], x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.short()}"

@@ -10,6 +10,7 @@ reproduces the in-memory model bit for bit.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -160,6 +161,33 @@ def dequantize(
     if zero_point is not None:
         g = g - zero_point.to(work).unsqueeze(-1)
     return (g * scale.to(work).unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
+def dequantize_packed4(packed: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor],
+                       scheme: QuantScheme, dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
+    """`dequantize` of 4-bit codes straight from their packed int32 words [out, in / 8] (little-endian,
+    contiguous, no padding nibbles), or None where that does not apply (the caller unpacks instead).
+
+    The nibbles are written into the working dtype's buffer directly and offset, shifted and scaled in
+    place: two passes fewer than unpacking to int8 first (SmolLM2's 1536 x 576 layer in bf16: 0.69 against
+    1.40 ms). Same working dtype, hence the same values, as `dequantize`."""
+    if scheme.num_bits != 4 or sys.byteorder != "little" or not packed.is_contiguous() or packed.dim() != 2:
+        return None
+    out, words = packed.shape
+    size = words * 8 if scheme.strategy == "channel" else scheme.group_size
+    if size is None or (words * 8) % size or scale.shape != (out, words * 8 // size):
+        return None
+    work = dtype if dtype == scale.dtype and dtype in (torch.bfloat16, torch.float16) else torch.float32
+    b = packed.view(torch.uint8)  # [out, in / 2]: element 2j in byte j's low nibble, 2j + 1 in its high one
+    u = torch.empty(out, words * 4, 2, dtype=work, device=packed.device)
+    u[..., 0] = b & 15
+    u[..., 1] = b >> 4
+    g = u.view(out, -1, size)  # [out, groups, gs], offset binary u = q + 8
+    g.sub_(8)
+    if zero_point is not None:
+        g.sub_(zero_point.to(work).unsqueeze(-1))
+    g.mul_(scale.to(work).unsqueeze(-1))
+    return g.view(out, -1).to(dtype)
 
 
 def rtn(w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype) -> QuantizedWeight:

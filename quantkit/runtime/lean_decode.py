@@ -247,7 +247,7 @@ def _run(lin, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, lin[0], lin[1])
     if type(lin) is not _Int4:
         return lin(x)
-    if lin.module is not None and x.numel() > cpu_int4.MAX_TOKENS * x.shape[-1]:
+    if lin.module is not None and x.numel() > lin.module.op_tokens * x.shape[-1]:
         return lin.module(x)
     return lin.packed.matmul(x, lin.bias, cast_back=False)
 
