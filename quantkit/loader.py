@@ -68,7 +68,9 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     choice, decode = compute_choice(dtype, stored, where.device, workload, float32_fits=fits, kinds=kinds,
                                     remeasure=remeasure)
     model, adapter, quantized = _skeleton(path, config, plan, choice.dtype)
-    offloading = _fill(model, path, adapter, quantized, choice, stored, offload, where)
+    # decode reads every weight once per token: from the process's own memory (`_assign_tensors`), not the file's
+    offloading = _fill(model, path, adapter, quantized, choice, stored, offload, where,
+                       own=workload == "decode" and where.device.type == "cpu")
     model.eval()
     model.requires_grad_(False)  # an inference model: no autograd bookkeeping, and the decode step may fuse weights
     if decode is not None:
@@ -125,9 +127,11 @@ def _skeleton(path: Path, config, plan: Optional[LoadPlan], dtype: torch.dtype):
 
 
 def _fill(model: nn.Module, path: Path, adapter, quantized: set[str], choice: compute.ComputeChoice,
-          stored: torch.dtype, offload: Optional[str], where: devices.DeviceChoice) -> offload_mod.OffloadChoice:
+          stored: torch.dtype, offload: Optional[str], where: devices.DeviceChoice,
+          own: bool = False) -> offload_mod.OffloadChoice:
     """Assign the checkpoint's tensors to the skeleton (the decoder layers left on disk when offloading)
-    and move it to its device. Returns the offload choice."""
+    and move it to its device (`own`: in-memory tensors copied out of the mapped file). Returns the offload
+    choice."""
     dtype = choice.dtype
     to_module = adapter.to_module_name if adapter else (lambda name: name)
     ckpt = LazyCheckpoint(path, to_module)
@@ -145,10 +149,10 @@ def _fill(model: nn.Module, path: Path, adapter, quantized: set[str], choice: co
         offloader = offload_mod.DiskOffload(model, ckpt, adapter.layers_path, owner_quantized, dtype, where.device)
         skip = offloader.offloaded_keys
         resident = ((ckpt.stored_name(k), ckpt.get(k)) for k in ckpt.keys() if k not in skip)
-        _assign_tensors(model, path, quantized, dtype, to_module, resident, elsewhere=skip)
+        _assign_tensors(model, path, quantized, dtype, to_module, resident, elsewhere=skip, own=own)
         model.quantkit_offloader = offloader
     else:
-        _assign_tensors(model, path, quantized, dtype, to_module)
+        _assign_tensors(model, path, quantized, dtype, to_module, own=own)
     if where.is_accelerator:
         offload_mod.move_resident(model, where.device)  # offloaded slots stay on meta until their layer runs
     return offloading
@@ -270,9 +274,13 @@ def _add_kv_scale_slots(model: nn.Module, strategy: str) -> None:
 
 
 def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: torch.dtype, to_module,
-                    tensors=None, elsewhere: frozenset[str] | set[str] = frozenset()) -> None:
+                    tensors=None, elsewhere: frozenset[str] | set[str] = frozenset(), own: bool = False) -> None:
     """Assign the checkpoint's tensors ((stored name, tensor) pairs; all of `path` by default); the
-    slots in `elsewhere` are filled later (offloaded layers) and were checked by their owner."""
+    slots in `elsewhere` are filled later (offloaded layers) and were checked by their owner.
+
+    own: copy every tensor the file maps (safetensors' tensors are views of the mapped file) into the process's
+    own memory (huge pages, `quantkit.allocator`): one-token GEMVs read those faster (an AMX Xeon, Gemma 3's
+    262144 x 640 bf16 head by torch.mv: 30 ms mapped, 22 ms copied, interleaved runs)."""
     expected = dict(model.state_dict(keep_vars=True))
     loaded: dict[str, torch.Tensor] = {}
     unexpected = []
@@ -283,8 +291,11 @@ def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: to
                 unexpected.append(stored_key)
             continue
         owner = key.rpartition(".")[0]
+        stored = tensor
         if tensor.is_floating_point() and owner not in quantized:
             tensor = tensor.to(dtype)  # quantized modules keep their stored scale dtype
+        if own and tensor.data_ptr() == stored.data_ptr():
+            tensor = tensor.clone()
         _check_shape(key, tensor, expected[key], owner in quantized)
         loaded[key] = tensor
     if unexpected:

@@ -6,6 +6,7 @@ quantized in memory and the same model reloaded compute the same logits."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -238,6 +239,28 @@ def test_a_model_too_big_for_float32_is_planned_in_its_own_dtype_only(w4_checkpo
     _fake_plan(monkeypatch, _table(dense_bf16=30.0, op_narrow=1.0, op_f32=100.0))
     model = quantkit.load(w4_checkpoint, workload="decode")
     assert model.dtype == BF16 and set(model.quantkit_decode_plan.step_seconds) == {Candidate(BF16, BF16)}
+
+
+def _mapped_from(path, tensor) -> bool:
+    """Whether `tensor`'s memory lies in a mapping of a file under `path` (/proc/self/maps)."""
+    ptr = tensor.data_ptr()
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        start, end = (int(v, 16) for v in span.split("-"))
+        if start <= ptr < end:
+            return bool(rest) and rest[-1].startswith(str(path))
+    return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_a_model_loaded_to_decode_owns_its_weights(tiny_llama):
+    """Eval's batch workload reads weights from the mapped checkpoint; decode copies them into its own memory."""
+    batch = quantkit.load(tiny_llama, dtype=BF16)
+    decode = quantkit.load(tiny_llama, dtype=BF16, workload="decode")
+    name = "model.layers.0.mlp.down_proj.weight"
+    weights = [dict(m.named_parameters())[name] for m in (batch, decode)]
+    assert _mapped_from(tiny_llama, weights[0]) and not _mapped_from(tiny_llama, weights[1])
+    assert torch.equal(weights[0], weights[1])
 
 
 def test_doctor_prints_the_table(w4_checkpoint, monkeypatch):

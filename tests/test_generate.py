@@ -130,6 +130,24 @@ def test_greedy_matches_transformers(tiny_models, tokenizer):
         assert ours.finish_reason == "length"
 
 
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_the_head_computed_apart_equals_the_models_forward(tiny_models, tokenizer, cap):
+    """Gemma 3 has no lean step but its head runs apart (a GEMV on the last position), final logit softcapping
+    included: the prefill's logits equal transformers' forward."""
+    from quantkit.runtime.generate import _build_batch, _Forward
+
+    model = quantkit.load(tiny_models["gemma3_text"], dtype=torch.float32)
+    model.config.final_logit_softcapping = cap
+    ids = sample_ids(tokenizer, 2, 9)
+    forward = _Forward(model, make_cache(model, None, max_cache_len=12))
+    assert forward.lean is None and forward.head is not None
+    ours = forward.prefill(_build_batch([row.tolist() for row in ids], 3, 3, ids.device))
+    ref = model(ids).logits[:, -1]
+    assert (ours - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item())
+    if cap is not None:
+        assert ref.abs().max() < cap
+
+
 def _lean_logits(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
     """Logits of the lean decode step at each of the last `steps` positions of ids [1, S], after a
     transformers prefill of the rest into a StaticCache (as the generate loop runs it)."""

@@ -57,21 +57,28 @@ def _build_batch(prompts: list[list[int]], steps: int, pad: int, device: torch.d
 
 class _Forward:
     """The model's prefill and decode steps over one cache: the lean step where the architecture
-    has one (`runtime.lean_decode`), else transformers' forward; logits of the last position only."""
+    has one (`runtime.lean_decode`), else transformers' forward; logits of the last position only,
+    through the lean step's head (a GEMV) wherever the model's forward is its decoder then its head."""
 
     def __init__(self, model: nn.Module, cache):
         self.model, self.cache = model, cache
         self.lean = lean_decode.LeanDecoder(model, cache, cache.scales if isinstance(cache, Fp8StaticCache) else None) \
             if lean_decode.supports(model) else None
+        embed = model.get_input_embeddings().weight
+        self.head = self.lean.head if self.lean is not None else \
+            lean_decode.Head(model, embed.device, embed.dtype) if lean_decode.head_apart(model) else None
+
+    def _logits(self, **inputs) -> torch.Tensor:
+        """Logits [B, vocab] of the last position of a forward over `inputs` through the cache."""
+        if self.head is not None:
+            hidden = self.model.model(**inputs, **cache_kwargs(self.model.model, self.cache)).last_hidden_state
+            return self.head(hidden[:, -1])
+        return self.model(**inputs, **cache_kwargs(self.model, self.cache), logits_to_keep=1).logits[:, -1]
 
     def prefill(self, batch: _Batch) -> torch.Tensor:
         w = batch.width
-        inputs = dict(input_ids=batch.input_ids, attention_mask=batch.mask[:, :w], position_ids=batch.positions[:, :w],
-                      use_cache=True)
-        if self.lean is not None:  # the head on the last position only, through the lean step's GEMV
-            return self.lean.logits(self.model.model(**inputs, **cache_kwargs(self.model.model, self.cache))
-                                    .last_hidden_state[:, -1])
-        return self.model(**inputs, **cache_kwargs(self.model, self.cache), logits_to_keep=1).logits[:, -1]
+        return self._logits(input_ids=batch.input_ids, attention_mask=batch.mask[:, :w],
+                            position_ids=batch.positions[:, :w], use_cache=True)
 
     def step(self, ids: torch.Tensor, batch: _Batch, t: int) -> torch.Tensor:
         """ids [B, 1] at decode step t (cache slot width + t)."""
@@ -79,8 +86,7 @@ class _Forward:
         positions, mask = batch.positions[:, slot : slot + 1], batch.mask[:, : slot + 1]
         if self.lean is not None:
             return self.lean.step(ids, slot, positions, mask)
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                          **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=1).logits[:, -1]
+        return self._logits(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
 
 
 @torch.no_grad()
