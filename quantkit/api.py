@@ -32,6 +32,7 @@ from quantkit.errors import QuantizationError
 from quantkit.export import export_checkpoint
 from quantkit.finite import check_source
 from quantkit.kernels.wide_matmul import widened
+from quantkit.formats import model_config
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, read_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.models.resolve import resolve_model
@@ -147,14 +148,17 @@ def quantize(
     else:
         source, _, storage = float_source(str(model))
         choice = _choose(storage, where, dtype, recipe)
-        net = load(source, dtype=choice.dtype)
+        net = load(source, dtype=choice.dtype, finite=False)  # check_source below says it, for a source
     notify(choice.describe())
     check_source(net, False, notify)
     adapter = adapter_for(getattr(net.config, "model_type", "?"))
     stages = build_stages(net, adapter, recipe)
     fallbacks = report_fallbacks(stages, notify)
     if batches is None and any(s.algorithm.needs_data() for s in stages):
-        batches = _batches(recipe, dataset, tokenizer, source, adapter.needs_bos)
+        batches = _batches(recipe, dataset, tokenizer, source, adapter.needs_bos, net.config.to_dict())
+    elif batches:
+        model_config.check_length(max(b.shape[-1] for b in batches), net.config.to_dict(), str(source or "the model"),
+                                  "batches= of", "give batches of {limit} tokens or fewer")
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with widened(choice):
         result = quantize_model(net, adapter, stages, batches, storage, progress, device=where.device)
@@ -217,9 +221,13 @@ def report_fallbacks(stages: list[Stage], notify: Callable[[str], None]) -> list
 
 
 def calibration_batches(source: Path, recipe: Recipe, needs_bos: bool, tokenizer=None,
-                        texts: Optional[Sequence[str]] = None) -> list[torch.Tensor]:
-    """The recipe's calibration windows, tokenized by `tokenizer` (default: the source's), in batches."""
+                        texts: Optional[Sequence[str]] = None, config: Optional[dict] = None) -> list[torch.Tensor]:
+    """The recipe's calibration windows, tokenized by `tokenizer` (default: the source's), in batches. A
+    calibration.seq_len longer than the model's context (`config`, default the source's config.json) is refused."""
     cal = recipe.calibration
+    raw = config if config is not None else read_config(source)
+    model_config.check_length(cal.seq_len, raw, str(source or "the model"), "calibration.seq_len",
+                              "use --set calibration.seq_len={limit} or less")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
     text = "\n\n".join(texts) if texts is not None else load_text(cal.dataset, cal.text_column, cal.encoding)
     ids = tokenize(tokenizer, text)
@@ -262,9 +270,10 @@ def _storage_of(model: nn.Module) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
-def _batches(recipe: Recipe, dataset, tokenizer, source: Optional[Path], needs_bos: bool) -> list[torch.Tensor]:
+def _batches(recipe: Recipe, dataset, tokenizer, source: Optional[Path], needs_bos: bool,
+             config: Optional[dict] = None) -> list[torch.Tensor]:
     texts = None if dataset is None or isinstance(dataset, str) else list(dataset)
     if tokenizer is None and source is None:
         raise QuantizationError("calibration needs a tokenizer: pass tokenizer= (or batches= of token ids); the model "
                                 "was not loaded from a checkpoint directory whose tokenizer quantkit could use")
-    return calibration_batches(source, recipe, needs_bos, tokenizer, texts)
+    return calibration_batches(source, recipe, needs_bos, tokenizer, texts, config)

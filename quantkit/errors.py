@@ -46,3 +46,11 @@ class UnknownNameError(QuantkitError, KeyError):
 
 class KernelError(QuantkitError):
     """A kernel was forced (QUANTKIT_KERNEL) where it cannot run, or the variable names no kernel."""
+
+
+class ContextLengthError(QuantkitError, ValueError):
+    """A calibration, evaluation or request length is longer than the model's context."""
+
+
+class IncompatibleModelsError(QuantkitError, ValueError):
+    """Two models that must agree (a draft and its target, models scored against each other) do not."""

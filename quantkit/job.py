@@ -25,6 +25,7 @@ from quantkit.calibration.activations import Activations, Budget
 from quantkit.kernels.wide_matmul import widened
 from quantkit.errors import QuantizationError
 from quantkit.export import export_checkpoint, write_model_files
+from quantkit.formats import model_config as model_fields
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, read_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.quantization_config import build_quantization_config
@@ -112,6 +113,9 @@ def plan(model_spec: Optional[str], recipe: Recipe, device: "str | torch.device 
     choice = compute.choose(storage_dtype, where.device, recipe.calibration.dtype, "calibration.dtype")
     model = skeleton(model_config(source, raw), choice.dtype)
     stages = build_stages(model, adapter, recipe)
+    if any(s.algorithm.needs_data() for s in stages):
+        model_fields.check_length(recipe.calibration.seq_len, raw, str(source), "calibration.seq_len",
+                                  "use --set calibration.seq_len={limit} or less")
     with widened(choice):  # the GEMM speed the run will see
         throughput = Throughput.measure(choice.dtype) if measure else None
     return make_plan(model, stages, adapter, recipe, model_name=str(source), device=where.device,
@@ -240,7 +244,7 @@ def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonf
     notify(choice.describe())
     if load_mode == "whole":
         try:
-            model, onloaded = load(source, dtype=choice.dtype), None
+            model, onloaded = load(source, dtype=choice.dtype, finite=False), None  # checked just below
         except DoesNotFitError as exc:  # (its fixes name eval's and generate's options, which quantize has not)
             raise QuantizationError(f"--load whole: {exc.what}; --load layers (the default) holds one decoder "
                                     "layer at a time") from None

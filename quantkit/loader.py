@@ -23,6 +23,7 @@ from quantkit import compute, devices
 from quantkit.catalog import architecture_names, checkpoint_namer, find_adapter
 from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
+from quantkit.finite import find_nonfinite
 from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, checkpoint_dtype, iter_tensors, read_config
 from quantkit.quantization_config import LoadPlan, parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = None,
          device: Union[str, torch.device, None] = "cpu", offload: Optional[str] = "none",
-         workload: str = "batch", remeasure: bool = False) -> PreTrainedModel:
+         workload: str = "batch", remeasure: bool = False, finite: bool = True) -> PreTrainedModel:
     """Load a plain or compressed-tensors checkpoint onto `device` (cpu by default; "auto" takes CUDA when
     present, `quantkit.devices`; a device asked for and missing is an error).
 
@@ -57,6 +58,9 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     (generate, chat: one token at a time). On a CPU, decode is planned by timing the model's own layer
     kinds in each candidate dtype and kernel (`runtime.decode_plan`, cached per machine; `remeasure`
     times them again); the plan is kept as `model.quantkit_decode_plan` (None for batch).
+
+    finite: refuse a checkpoint whose tensors hold NaN or Inf, naming them (the quantize job checks its source
+    itself, to offer --zero-nonfinite).
     """
     if workload not in compute.WORKLOADS:
         raise ValueError(f"workload {workload!r}: use one of {', '.join(compute.WORKLOADS)}")
@@ -70,7 +74,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     model, adapter, quantized = _skeleton(path, config, plan, choice.dtype)
     # decode reads every weight once per token: from the process's own memory (`_assign_tensors`), not the file's
     offloading = _fill(model, path, adapter, quantized, choice, stored, offload, where,
-                       own=workload == "decode" and where.device.type == "cpu")
+                       own=workload == "decode" and where.device.type == "cpu", finite=finite)
     model.eval()
     model.requires_grad_(False)  # an inference model: no autograd bookkeeping, and the decode step may fuse weights
     if decode is not None:
@@ -128,7 +132,7 @@ def _skeleton(path: Path, config, plan: Optional[LoadPlan], dtype: torch.dtype):
 
 def _fill(model: nn.Module, path: Path, adapter, quantized: set[str], choice: compute.ComputeChoice,
           stored: torch.dtype, offload: Optional[str], where: devices.DeviceChoice,
-          own: bool = False) -> offload_mod.OffloadChoice:
+          own: bool = False, finite: bool = True) -> offload_mod.OffloadChoice:
     """Assign the checkpoint's tensors to the skeleton (the decoder layers left on disk when offloading)
     and move it to its device (`own`: in-memory tensors copied out of the mapped file). Returns the offload
     choice."""
@@ -148,14 +152,29 @@ def _fill(model: nn.Module, path: Path, adapter, quantized: set[str], choice: co
                                            f"(model_type {model.config.model_type!r} has no adapter)")
         offloader = offload_mod.DiskOffload(model, ckpt, adapter.layers_path, owner_quantized, dtype, where.device)
         skip = offloader.offloaded_keys
+        if finite:  # the layers left on disk, a piece at a time (the resident tensors are checked as assigned)
+            _refuse_nonfinite(path, ((ckpt.stored_name(k), t) for k, t in ckpt.pieces() if k in skip))
         resident = ((ckpt.stored_name(k), ckpt.get(k)) for k in ckpt.keys() if k not in skip)
-        _assign_tensors(model, path, quantized, dtype, to_module, resident, elsewhere=skip, own=own)
+        _assign_tensors(model, path, quantized, dtype, to_module, resident, elsewhere=skip, own=own, finite=finite)
         model.quantkit_offloader = offloader
     else:
-        _assign_tensors(model, path, quantized, dtype, to_module, own=own)
+        _assign_tensors(model, path, quantized, dtype, to_module, own=own, finite=finite)
     if where.is_accelerator:
         offload_mod.move_resident(model, where.device)  # offloaded slots stay on meta until their layer runs
     return offloading
+
+
+def _refuse_nonfinite(path: Path, tensors) -> None:
+    """Refuse a checkpoint holding NaN or Inf in any of `tensors` ((stored name, tensor or piece) pairs; float
+    ones: scales, weights, FP8 codes), naming them: every command that loads it would compute garbage from it
+    (eval would show a NaN perplexity, generate would go on producing text)."""
+    bad = find_nonfinite(tensors)
+    if bad:
+        listing = ", ".join(f"{name} ({count} of {numel})" for name, count, numel in bad[:6]) + \
+            (" ..." if len(bad) > 6 else "")
+        raise CheckpointError(f"{path}: NaN/Inf values in {len(bad)} tensor(s): {listing}; the checkpoint is damaged. "
+                              "Re-create it from its source (quantize refuses non-finite source weights, or zeroes "
+                              "them with --zero-nonfinite)")
 
 
 def compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype, device: torch.device,
@@ -212,7 +231,11 @@ def _fits_in_float32(path: Path) -> bool:
 
 def model_config(path: Path, raw: dict):
     """transformers' config for the checkpoint; never with trust_remote_code, so an architecture
-    transformers does not know is a clear error here."""
+    transformers does not know is a clear error here. The fields quantkit reads are checked first
+    (`formats.model_config`), with the MLP's width required for the architectures quantkit quantizes."""
+    from quantkit.formats import model_config as fields
+
+    fields.check(raw, path / "config.json", known_types=tuple(architecture_names()))
     try:
         return AutoConfig.from_pretrained(path)
     except (ValueError, KeyError) as exc:
@@ -274,15 +297,18 @@ def _add_kv_scale_slots(model: nn.Module, strategy: str) -> None:
 
 
 def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: torch.dtype, to_module,
-                    tensors=None, elsewhere: frozenset[str] | set[str] = frozenset(), own: bool = False) -> None:
+                    tensors=None, elsewhere: frozenset[str] | set[str] = frozenset(), own: bool = False,
+                    finite: bool = False) -> None:
     """Assign the checkpoint's tensors ((stored name, tensor) pairs; all of `path` by default); the
     slots in `elsewhere` are filled later (offloaded layers) and were checked by their owner.
 
     own: copy every tensor the file maps (safetensors' tensors are views of the mapped file) into the process's
     own memory (huge pages, `quantkit.allocator`): one-token GEMVs read those faster (an AMX Xeon, Gemma 3's
-    262144 x 640 bf16 head by torch.mv: 30 ms mapped, 22 ms copied, interleaved runs)."""
+    262144 x 640 bf16 head by torch.mv: 30 ms mapped, 22 ms copied, interleaved runs).
+    finite: refuse NaN/Inf in any of them, naming them, before anything is assigned."""
     expected = dict(model.state_dict(keep_vars=True))
     loaded: dict[str, torch.Tensor] = {}
+    as_stored: list[tuple[str, torch.Tensor]] = []  # (stored name, tensor as read): what the finite check reads
     unexpected = []
     for stored_key, tensor in (iter_tensors(path) if tensors is None else tensors):
         key = to_module(stored_key)
@@ -292,6 +318,7 @@ def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: to
             continue
         owner = key.rpartition(".")[0]
         stored = tensor
+        as_stored.append((stored_key, stored))
         if tensor.is_floating_point() and owner not in quantized:
             tensor = tensor.to(dtype)  # quantized modules keep their stored scale dtype
         if own and tensor.data_ptr() == stored.data_ptr():
@@ -301,6 +328,8 @@ def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: to
     if unexpected:
         raise CheckpointError(f"{path}: tensors that this model does not have: {', '.join(unexpected[:8])}"
                               + (" ..." if len(unexpected) > 8 else ""))
+    if finite:
+        _refuse_nonfinite(path, as_stored)
     model.load_state_dict(loaded, strict=False, assign=True)
     _tie_embeddings(model)
     # every slot must come from the file (directly, or by tying to a loaded tensor): quantized

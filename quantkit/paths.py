@@ -25,9 +25,16 @@ def cache_dir() -> Path:
 def cache_entry_lock(entry: Path) -> Iterator[None]:
     """Hold `entry`'s lock file (`<entry>.lock`, beside it) while it is checked and filled, so two processes
     that want the same cache entry at once (two jobs, two test workers) fill it once: the second waits, then
-    finds it made. filelock (huggingface_hub's own dependency) works on every OS."""
+    finds it made. filelock (huggingface_hub's own dependency) works on every OS. A fill that fails removes
+    the lock file too."""
     from filelock import FileLock
 
     entry.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(entry.parent / f"{entry.name}.lock")):
-        yield
+    lock = entry.parent / f"{entry.name}.lock"
+    with FileLock(str(lock)):
+        try:
+            yield
+        except BaseException:
+            if not entry.exists():  # a failed fill leaves no empty lock file behind (a waiting process then
+                lock.unlink(missing_ok=True)  # finds no entry and tries itself, as it would have anyway)
+            raise

@@ -189,6 +189,9 @@ def load_recipe(name_or_path: str, overrides: Optional[list[str]] = None) -> Rec
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise RecipeError(f"recipe {label}: not valid YAML: {exc}") from None
+    if raw is None:
+        raise RecipeError(f"recipe {label}: the file is empty (or only comments); a recipe needs at least "
+                          "`version: 1` and `stages:` (see `quantkit recipes` for the shipped ones to start from)")
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe {label}: expected a mapping at the top level, got {type(raw).__name__}")
     for item in overrides or []:

@@ -225,8 +225,22 @@ def test_nonfinite_scales_are_refused_before_writing(tiny_llama, tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
-def test_nan_perplexity_is_an_error_and_null_in_json(tiny_llama, tmp_path):
-    bad = copy_model(tiny_llama, tmp_path / "bad", poison(float("nan")))
+def test_nan_perplexity_is_an_error_and_null_in_json(tiny_llama, tmp_path, monkeypatch):
+    # NaN/Inf in a checkpoint's tensors are refused at load (tests/test_input_checks.py); logits may still
+    # overflow in a narrower dtype: the second model's likelihood is made NaN here, as such a model's would be
+    import dataclasses
+
+    import quantkit.eval.ppl_table as table
+
+    bad = copy_model(tiny_llama, tmp_path / "bad")
+    real = table.perplexity
+
+    def nan_for_the_second(model, *a, **k):
+        res = real(model, *a, **k)
+        return dataclasses.replace(res, nll=float("nan"), ppl=float("nan")) \
+            if str(model.quantkit_source) == str(bad) else res
+
+    monkeypatch.setattr(table, "perplexity", nan_for_the_second)
     out = tmp_path / "p.json"
     res = run("eval", "ppl", tiny_llama, bad, "--seq-len", "64", "--max-windows", "2", "--json", out, "--no-progress")
     assert res.exit_code == 2 and "ERROR" in res.output and "non-finite perplexity" in res.output

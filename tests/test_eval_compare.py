@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import quantkit
 from quantkit.cli import main
-from quantkit.errors import CalibrationDataError, CheckpointError
+from quantkit.errors import CalibrationDataError, CheckpointError, ContextLengthError
 from quantkit.eval import compare as compare_mod
 from quantkit.eval.compare import evaluate, find_original, window_count
 from quantkit.eval.divergence import Tally, kl_divergence, log_probs, percentile, token_nll, top1_same
@@ -203,7 +203,7 @@ def test_bad_comparisons_are_refused_early(tiny_llama, rtn_llama, tmp_path, text
         evaluate(str(tiny_llama), [str(tiny_llama)], [texts[0]], seq_len=32)
     with pytest.raises(CalibrationDataError, match="same text twice"):
         evaluate(str(tiny_llama), [str(rtn_llama)], [texts[0], texts[0]], seq_len=32)
-    with pytest.raises(CheckpointError, match="longer than the context"):
+    with pytest.raises(ContextLengthError, match="longer than the context"):
         evaluate(str(tiny_llama), [str(rtn_llama)], [texts[0]], seq_len=4096)
     with pytest.raises(CalibrationDataError, match="less than one window"):
         evaluate(str(tiny_llama), [str(rtn_llama)], [texts[0]], seq_len=32, max_tokens=20)

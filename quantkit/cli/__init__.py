@@ -12,8 +12,13 @@ from quantkit.version import __version__
 from quantkit.errors import QuantkitError
 
 
+INTERNAL_ERROR = 70  # EX_SOFTWARE: a fault of quantkit's, not of the input
+
+
 class _Group(click.Group):
-    """Prints QuantkitError as a one-line error (exit 2) instead of a traceback."""
+    """No stack traces on the screen: an error quantkit can name (QuantkitError) is one line and exit 2;
+    anything else is a short "internal error" line naming the file its traceback was saved to, and exit 70.
+    click's own usage errors, Ctrl-C and exits pass through as click makes them."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -21,6 +26,18 @@ class _Group(click.Group):
         except QuantkitError as exc:
             click.echo(f"Error: {exc}", err=True)
             sys.exit(2)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
+                KeyboardInterrupt, GeneratorExit):
+            raise
+        except Exception as exc:  # noqa: BLE001  (the guard's purpose: nothing else reaches the screen)
+            from quantkit.crash import save_report
+
+            report = save_report(exc, sys.argv)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            click.echo(f"Internal error: {type(exc).__name__}{': ' + first[:300] if first else ''}\n"
+                       f"This is a fault in quantkit, not in your input. The traceback is in {report}; "
+                       "please attach it to a bug report.", err=True)
+            sys.exit(INTERNAL_ERROR)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -8,7 +8,7 @@ import click
 
 
 @click.command("clean")
-@click.argument("directories", nargs=-1, type=click.Path(path_type=Path, file_okay=False))
+@click.argument("directories", nargs=-1, type=click.Path(path_type=Path, file_okay=False, exists=True))
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 def command(directories, dry_run):
     """Remove leftovers of stopped runs (.NAME.tmp-* / .NAME.old-* / .NAME.act-*) and stopped runs'

@@ -135,12 +135,27 @@ def ppl(models, baseline, dataset, text_column, seq_len, max_windows, json_path,
         raise EvalFailed(f"no valid perplexity for {', '.join(failed)} (see the table)")
 
 
+class DocumentLimit(click.ParamType):
+    """lm-eval's --limit: a fraction of each task's documents in (0, 1), or a whole number of them (1 or more)."""
+
+    name = "limit"
+
+    def convert(self, value, param, ctx):
+        try:
+            limit = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number: use a fraction in (0, 1) or a whole number of documents", param, ctx)
+        if not (0 < limit < 1 or (limit >= 1 and limit.is_integer())):
+            self.fail(f"{value!r}: use a fraction in (0, 1) or a whole number of documents (1 or more)", param, ctx)
+        return limit
+
+
 @command.command("tasks")
 @click.argument("model")
 @click.option("--tasks", "task_names", required=True,
               help="Comma-separated lm-eval tasks: shipped offline ones (austen = austen_cloze, austen_next_word, "
                    "austen_ppl) or lm-eval's own (their data comes from the hub).")
-@click.option("--limit", type=float, help="At most this many documents per task (or a fraction below 1).")
+@click.option("--limit", type=DocumentLimit(), help="At most this many documents per task (or a fraction below 1).")
 @click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot examples per prompt [default: the task's].")
 @click.option("--batch-size", default=1, show_default=True, type=click.IntRange(min=1), help="Requests per forward.")
 @click.option("--max-length", type=click.IntRange(min=2), help="Tokens per request [default: the context, at most 2048].")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import click
 
@@ -19,8 +20,10 @@ def sampling_options(f):
         click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1)),
         click.option("--repetition-penalty", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
                      help="Multiplicative, over prompt and output tokens; 1 = off."),
-        click.option("--presence-penalty", default=0.0, show_default=True, type=float, help="Additive, output tokens."),
-        click.option("--frequency-penalty", default=0.0, show_default=True, type=float, help="Additive, per occurrence."),
+        click.option("--presence-penalty", default=0.0, show_default=True, type=click.FloatRange(-2, 2),
+                     help="Additive, output tokens (OpenAI's range)."),
+        click.option("--frequency-penalty", default=0.0, show_default=True, type=click.FloatRange(-2, 2),
+                     help="Additive, per occurrence (OpenAI's range)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it."),
         click.option("--ignore-eos", is_flag=True, help="Keep generating past end tokens."),
         click.option("--seed", default=0, show_default=True, type=int),
@@ -63,6 +66,8 @@ class Runner:
         from quantkit.devices import resolve
 
         device = resolve(opts.get("device", "cpu")).device  # a missing device fails before anything loads
+        if opts.get("draft"):
+            _check_draft(model_spec, opts["draft"])  # from configs and tokenizers: before any weights load
         offload = opts.get("offload", "none")
         self.model = load(model_spec, dtype=opts.get("dtype"), device=device, offload=offload, workload="decode")
         self.tokenizer = load_tokenizer(model_spec)
@@ -97,6 +102,26 @@ class Runner:
         click.echo(f"[{len(result.token_ids)} tokens, finish: {result.finish_reason}, TTFT {result.ttft_seconds * 1e3:.0f} ms "
                    f"({result.prompt_tokens} prompt tokens), {tpot}{extra}]", err=True)
         return result
+
+
+def _check_draft(model_spec, draft_spec) -> None:
+    """Refuse a draft that cannot propose tokens for the model: another vocabulary, or another tokenizer."""
+    from quantkit.errors import IncompatibleModelsError
+    from quantkit.formats.checkpoint import read_config
+    from quantkit.formats.model_config import text_fields
+    from quantkit.loader import load_tokenizer
+    from quantkit.models.resolve import resolve_model
+
+    paths = [resolve_model(None if s is None else str(s)) for s in (model_spec, draft_spec)]
+    vocab = [text_fields(read_config(p))["vocab_size"] for p in paths]
+    if vocab[0] != vocab[1]:
+        raise IncompatibleModelsError(f"--draft {draft_spec}: its vocabulary has {vocab[1]} tokens and the model's "
+                                      f"{vocab[0]}; a draft must share the model's tokenizer (e.g. a quantized copy "
+                                      "of the same model)")
+    tokens = [load_tokenizer(p).get_vocab() for p in paths]
+    if tokens[0] != tokens[1]:
+        raise IncompatibleModelsError(f"--draft {draft_spec}: its tokenizer maps text to other token ids than the "
+                                      "model's; a draft must share the model's tokenizer")
 
 
 def _check_model_not_prompt(spec: str) -> None:
@@ -161,6 +186,9 @@ def chat_command(model, system, **opts):
 
     Type a message and press Enter; an empty line or /exit ends, /reset forgets the history.
     """
+    if sys.stdin is None or sys.stdin.closed:  # (`0<&-`): before the model loads, not at the first prompt
+        raise click.UsageError("chat reads your messages from standard input, which is closed; run it in a "
+                               "terminal, or pipe the messages in, or use `quantkit generate MODEL PROMPT --chat`")
     runner = Runner(model, opts, _params(opts))
     messages = [{"role": "system", "content": system}] if system else []
     chat_ids(runner.tokenizer, [{"role": "user", "content": "hi"}])  # fail now if there is no template
@@ -168,6 +196,10 @@ def chat_command(model, system, **opts):
         try:
             line = click.prompt("you", prompt_suffix="> ", default="", show_default=False)
         except (EOFError, click.Abort):
+            break
+        except RuntimeError as exc:  # input() once standard input went away mid-conversation: its end
+            if "stdin" not in str(exc):
+                raise
             break
         if line.strip() in ("", "/exit", "/quit"):
             break

@@ -104,20 +104,14 @@ def _vocab_size(raw: dict) -> Optional[int]:
     return raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
 
 
-def _context(raw: dict) -> Optional[int]:
-    return raw.get("max_position_embeddings") or (raw.get("text_config") or {}).get("max_position_embeddings")
-
-
 def _subject(spec: str, seq_len: int) -> tuple[Subject, dict]:
+    from quantkit.formats import model_config
     from quantkit.formats.checkpoint import read_config, weight_files
     from quantkit.models.resolve import resolve_model
 
     path = resolve_model(spec)
     raw = read_config(path)
-    limit = _context(raw)
-    if isinstance(limit, int) and seq_len > limit:
-        raise CheckpointError(f"--seq-len {seq_len} is longer than the context of {spec} ({limit} tokens); "
-                              f"use --seq-len {limit} or less")
+    model_config.check_length(seq_len, raw, spec, "--seq-len", "use --seq-len {limit} or less")
     size = sum(f.stat().st_size for f in weight_files(path))
     return Subject(spec, path, _vocab_size(raw) or 0, size), raw
 

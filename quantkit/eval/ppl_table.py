@@ -35,16 +35,14 @@ class Prepared:
 def prepare(model_spec: str, text: str, seq_len: int, max_windows: Optional[int],
             min_tokens: int = MIN_SCORED_TOKENS) -> Prepared:
     """Resolve `model_spec`, read its config and tokenizer, tokenize `text` and check the windows."""
+    from quantkit.formats import model_config
     from quantkit.formats.checkpoint import read_config
     from quantkit.models.resolve import resolve_model
     from quantkit.loader import load_tokenizer
 
     path = resolve_model(model_spec)
     raw = read_config(path)
-    limit = raw.get("max_position_embeddings") or (raw.get("text_config") or {}).get("max_position_embeddings")
-    if isinstance(limit, int) and seq_len > limit:
-        raise CheckpointError(f"--seq-len {seq_len} is longer than the context of {model_spec} ({limit} tokens); "
-                              f"use --seq-len {limit} or less")
+    model_config.check_length(seq_len, raw, model_spec, "--seq-len", "use --seq-len {limit} or less")
     tokenizer = load_tokenizer(path)
     model_type = raw.get("model_type", "?")
     needs_bos = family_needs_bos(model_type)
@@ -96,11 +94,25 @@ def evaluate_many(models: list[str], dataset: str, text_column: str, seq_len: in
     rows = [evaluate_one(p.spec, text, seq_len, max_windows, progress, kv_cache_dtype, dtype, p, device, offload)
             for p in prepared]
     base = rows[0]["ppl"]
-    for row in rows:
-        ok = base is not None and row["ppl"] is not None
+    for p, row in zip(prepared, rows):
+        unlike = _unlike(prepared[0], p)
+        ok = base is not None and row["ppl"] is not None and unlike is None
         row["delta"] = row["ppl"] - base if ok else None
         row["delta_pct"] = 100.0 * (row["ppl"] / base - 1.0) if ok else None
+        if unlike:
+            row["delta_note"] = unlike
     return rows
+
+
+def _unlike(base: Prepared, other: Prepared) -> Optional[str]:
+    """Why `other`'s perplexity cannot be compared with `base`'s (None: same tokens, same windows): a
+    perplexity is per token, and two tokenizations of one text have different tokens."""
+    if other is base or (torch.equal(other.ids, base.ids) and other.bos == base.bos):
+        return None
+    how = f"{other.ids.numel()} tokens against {base.ids.numel()}" if other.ids.numel() != base.ids.numel() \
+        else "the same number of tokens, other ids" if other.bos == base.bos else "one prepends BOS, the other not"
+    return (f"no delta: {other.spec} tokenizes the text differently from {base.spec} ({how}), so the two "
+            "perplexities are per token of different tokens and not comparable")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -110,7 +122,9 @@ def format_table(rows: list[dict]) -> str:
         if r["ppl"] is None:
             lines.append(f"{r['model']:<{width}}  {'ERROR':>9}  {r['error']}")
             continue
-        delta = "(baseline)" if i == 0 else ("-" if r["delta"] is None else f"{r['delta']:+9.3f}")
+        delta = "(baseline)" if i == 0 else ("n/a *" if r.get("delta_note") else "-" if r["delta"] is None
+                                             else f"{r['delta']:+9.3f}")
         pct = "" if i == 0 or r["delta_pct"] is None else f"{r['delta_pct']:+7.2f}%"
         lines.append(f"{r['model']:<{width}}  {r['ppl']:9.3f}  {delta:>9}  {pct:>8}  {r['tokens']:7d}  {r['seconds']:7.1f}")
+    lines += [f"* {r['delta_note']}" for r in rows if r.get("delta_note")]
     return "\n".join(lines)

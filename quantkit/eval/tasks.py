@@ -158,6 +158,7 @@ def run(model_spec: str, tasks: list[str], limit: Optional[float] = None, batch_
     """lm-eval's results dict (`results`, `configs`, `versions`, ...) for `model_spec` on `tasks`."""
     from lm_eval.tasks import TaskManager
 
+    from quantkit.formats import model_config
     from quantkit.formats.checkpoint import read_config
     from quantkit.models.resolve import resolve_model
     from quantkit.catalog import needs_bos
@@ -177,8 +178,10 @@ def run(model_spec: str, tasks: list[str], limit: Optional[float] = None, batch_
                         f"({', '.join([*SHIPPED_GROUPS, *shipped_tasks()])}) nor known to lm-eval "
                         f"{lm_eval.__version__}; list lm-eval's with `lm-eval ls tasks`, or give --include-path DIR")
     path = resolve_model(model_spec)
-    model_type = read_config(path).get("model_type", "?")
-    add_bos = needs_bos(model_type)
+    raw = read_config(path)
+    if max_length is not None:
+        model_config.check_length(max_length, raw, model_spec, "--max-length", "use --max-length {limit} or less")
+    add_bos = needs_bos(raw.get("model_type", "?"))
     model = load(path, dtype=dtype, device=device, offload=offload)
     lm = QuantkitLM(model, load_tokenizer(path), batch_size, max_length, add_bos, kv_cache_dtype)
     try:

@@ -63,13 +63,20 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def read_config(path: Path) -> dict:
+    """config.json of a model directory, its fields checked (`formats.model_config.check`)."""
+    from quantkit.formats import model_config
+
     file = path / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model directory")
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file}: invalid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: expected a JSON object of the model's settings, got {type(raw).__name__}")
+    model_config.check(raw, file)
+    return raw
 
 
 DEFAULT_SHARD_BYTES = 2 << 30

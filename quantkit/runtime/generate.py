@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from quantkit.errors import ContextLengthError
 from quantkit.runtime import lean_decode
 from quantkit.runtime.kv_cache import Fp8StaticCache, make_cache
 from quantkit.runtime.request import Completion, Request, context_limit, end_token_ids, request_generator
@@ -103,7 +104,8 @@ def generate_batch(model: nn.Module, tokenizer, prompts: Sequence[Sequence[int]]
         raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
     limit, width = context_limit(model), max(len(p) for p in prompts)
     if width >= limit:
-        raise ValueError(f"a prompt of {width} tokens leaves no room in the model's context of {limit}")
+        raise ContextLengthError(f"a prompt of {width} tokens leaves no room in the model's context of {limit}; "
+                                 "shorten the prompt")
     steps = min(max(p.max_new_tokens for p in plist), limit - width)
     if steps < max(p.max_new_tokens for p in plist):
         log.warning("max_new_tokens capped at %d by the model's context of %d tokens", steps, limit)

@@ -46,6 +46,8 @@ class SamplingParams:
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1 = off)"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2] (OpenAI's range; 0 = off)"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2] (OpenAI's range; 0 = off)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
         ]
         for ok, message in checks:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from quantkit.errors import ContextLengthError, IncompatibleModelsError
 from quantkit.runtime import lean_decode
 from quantkit.runtime.kv_cache import make_cache
 from quantkit.runtime.request import Completion, Request, context_limit, end_token_ids
@@ -108,12 +109,14 @@ def speculative_generate(target: nn.Module, draft: nn.Module, tokenizer, prompt_
         raise ValueError("num_draft_tokens must be >= 1")
     vocab = target.get_output_embeddings().weight.shape[0]
     if draft.get_output_embeddings().weight.shape[0] != vocab:
-        raise ValueError("the draft model's vocabulary differs from the target's; it must share the tokenizer")
+        raise IncompatibleModelsError("the draft model's vocabulary differs from the target's; it must share the "
+                                      "tokenizer (e.g. a quantized copy of the same model)")
     seq = list(prompt_ids)
     limit = min(context_limit(target), context_limit(draft))
     budget = min(params.max_new_tokens, limit - len(seq) - num_draft_tokens - 1)
     if budget < 1:
-        raise ValueError(f"a prompt of {len(seq)} tokens leaves no room in the context of {limit}")
+        raise ContextLengthError(f"a prompt of {len(seq)} tokens leaves no room in the context of {limit}; "
+                                 "shorten the prompt")
     gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
     request = Request.start(tokenizer, seq, params, vocab, end_token_ids(target, tokenizer), budget, on_text)
     history = request.history  # the committed sequence's history; each round's drafts extend a copy
