@@ -69,12 +69,8 @@ def _w4a16_kernel(
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), out_dtype=tl.float32)
         else:
             acc += tl.dot(x, w, out_dtype=tl.float32)
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    ymask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
-    else:
-        tl.atomic_add(y_ptrs, acc, mask=ymask)
+    _store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc, mask_m[:, None] & mask_n[None, :],
+           SPLIT_K)
 
 
 @triton.jit
@@ -128,10 +124,14 @@ def _w4a16_gemv_kernel(
             if HAS_ZP:
                 q = q - tl.load(z_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=smask, other=0.0)
             acc += _gemv_dot(x, q * scale, BLOCK_M, DOT_FP32)
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    ymask = mask_m[:, None] & mask_n[None, :]
+    _store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask_m[:, None] & mask_n[None, :], SPLIT_K)
+
+
+@triton.jit
+def _store(y_ptrs, acc, ymask, SPLIT_K: tl.constexpr):
+    """The float32 tile `acc` into y: cast to y's dtype, or added atomically when K is split."""
     if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+        tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=ymask)
     else:
         tl.atomic_add(y_ptrs, acc, mask=ymask)
 
