@@ -1,6 +1,7 @@
 """The command line, through click's test runner: happy paths and clear errors (exit code 2)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -99,3 +100,18 @@ def test_quantize_reports_peak_memory_and_where_the_time_went(run, tiny_llama, t
     assert meta["peak_rss_bytes"] > 1e8 and meta["load"] == "layers"
     assert {"load layer", "gptq: true-sequential forward", "gptq: quantize", "write layer"} <= set(meta["timings"])
     assert all(v >= 0 for v in meta["timings"].values())
+
+
+def test_the_demos_quantize_options_are_valid(tiny_llama, tmp_path):
+    """`make demo` quantizes with the Makefile's DEMO_SMALL overrides: they must stay valid for the awq-w4a16
+    recipe (run here on the tiny model, at group 32)."""
+    import re
+    import shlex
+
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    block = re.search(r"^DEMO_SMALL := (.*?)(?<!\\)\n", makefile, re.S | re.M).group(1).replace("\\\n", " ")
+    args = shlex.split(block) + ["--set", "calibration.seq_len=64"]  # the tiny model's text is short
+    res = CliRunner().invoke(main, ["quantize", str(tiny_llama), "--recipe", "awq-w4a16", "--set",
+                                    "stages.rtn.scheme.group_size=32", *args, "-o", str(tmp_path / "q"), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "calibration.num_samples=16" in block and "stages.awq.args.n_grid=10" in block
