@@ -61,6 +61,9 @@ class QuantizeRecord:
     # the checkpoint `quantize` loaded in a compute dtype narrower than it: `save` writes the tensors that
     # are still only that rounding as stored (an in-memory model handed to `quantize` is written as it is)
     rounded_from: Optional[Path] = None
+    # calibration data not named by the recipe (texts or token ids handed to `quantize`), in words; None: the
+    # recipe's calibration.dataset (or no stage calibrated)
+    calibration_data: Optional[str] = None
 
     @property
     def quantized(self) -> dict:
@@ -92,6 +95,7 @@ class QuantizeRecord:
             "source": str(self.source) if self.source is not None else None,
             "recipe": self.recipe.name,
             "overrides": self.recipe.overrides,
+            "calibration_data": self.calibration_data or self.recipe.calibration.dataset,
             "compute": self.compute.to_json(),
             "device": {"device": str(self.device.device), "reason": self.device.reason},
             "quantize_seconds": round(self.result.seconds, 2),
@@ -154,6 +158,7 @@ def quantize(
     adapter = adapter_for(getattr(net.config, "model_type", "?"))
     stages = build_stages(net, adapter, recipe)
     fallbacks = report_fallbacks(stages, notify)
+    given = _given_data(dataset, batches)  # what the recipe's calibration.dataset no longer describes
     if batches is None and any(s.algorithm.needs_data() for s in stages):
         batches = _batches(recipe, dataset, tokenizer, source, adapter.needs_bos, net.config.to_dict())
     elif batches:
@@ -164,7 +169,7 @@ def quantize(
         result = quantize_model(net, adapter, stages, batches, storage, progress, device=where.device)
     rounded = not isinstance(model, nn.Module) and not compute.holds_exactly(choice.dtype, storage)
     record = QuantizeRecord(recipe, source, storage, choice, where, result, fallbacks, created,
-                            rounded_from=source if rounded else None)
+                            rounded_from=source if rounded else None, calibration_data=given)
     setattr(net, RECORD_ATTR, record)
     return Quantized(net, record)
 
@@ -183,7 +188,8 @@ def save(model: nn.Module, path: Union[str, Path], *, overwrite: bool = False,
     return export_checkpoint(
         model, Path(path), storage_dtype=record.storage_dtype, source=record.source,
         quantization_config=build_quantization_config(model, result.quantized, result.kv_cache_scheme),
-        extra_files={"recipe.yaml": record.recipe.to_yaml(), "quantkit.json": json.dumps(metadata, indent=2) + "\n"},
+        extra_files={"recipe.yaml": record.recipe.to_yaml(dataset=record.calibration_data),
+                     "quantkit.json": json.dumps(metadata, indent=2) + "\n"},
         overwrite=overwrite, protect=[record.source] if record.source is not None else [],
         max_shard_bytes=max_shard_bytes,
         stored=None if record.rounded_from is None else LazyCheckpoint(
@@ -235,6 +241,25 @@ def calibration_batches(source: Path, recipe: Recipe, needs_bos: bool, tokenizer
     label = cal.dataset if texts is None else f"{len(texts)} text(s) given to quantize()"
     chunks = make_chunks(ids, cal.num_samples, cal.seq_len, cal.seed, bos, label=label)
     return list(chunks.split(cal.batch_size))  # [batch, seq_len] each
+
+
+def _given_data(dataset, batches) -> Optional[str]:
+    """Calibration data handed to `quantize` itself, in words with a digest (None: the recipe's dataset)."""
+    import hashlib
+
+    if batches is not None:
+        digest = hashlib.sha256()
+        for b in batches:
+            digest.update(b.detach().cpu().to(torch.int64).numpy().tobytes())
+        tokens = sum(b.numel() for b in batches)
+        return (f"{len(batches)} batch(es) of token ids given to quantkit.quantize() ({tokens} tokens, "
+                f"sha256 {digest.hexdigest()[:16]})")
+    if dataset is not None and not isinstance(dataset, str):
+        texts = list(dataset)
+        digest = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()[:16]
+        return (f"{len(texts)} text(s) given to quantkit.quantize() ({sum(len(t) for t in texts)} characters, "
+                f"sha256 {digest})")
+    return None
 
 
 def _recipe(recipe, overrides, dataset, num_samples, seq_len) -> Recipe:

@@ -126,6 +126,17 @@ def plan(model_spec: Optional[str], recipe: Recipe, device: "str | torch.device 
                      tokenizer_bytes=tokenizer_file_bytes(source))
 
 
+def rank_device(asked, rank: int, local_rank: int) -> devices.DeviceChoice:
+    """The GPU of one rank of a distributed CUDA run: its local rank's. An index asked for (`--device cuda:3`)
+    cannot hold for every rank, so it is refused on every rank alike, not replaced unsaid."""
+    index = torch.device(str(asked)).index if str(asked or "").startswith("cuda") else None
+    if index is not None:
+        raise distributed.DistributedError(
+            f"--device {asked} in a distributed run: each rank takes the GPU of its local rank (this is rank "
+            f"{rank}, LOCAL_RANK {local_rank}); pass --device cuda, and choose the GPUs with CUDA_VISIBLE_DEVICES")
+    return devices.DeviceChoice(torch.device("cuda", local_rank), f"rank {rank}: local rank's GPU")
+
+
 def tokenizer_file_bytes(source: Path) -> int:
     """Size of the checkpoint's tokenizer files (what the tokenizer takes in memory scales with it)."""
     return sum((source / f).stat().st_size for f in ("tokenizer.json", "tokenizer.model") if (source / f).is_file())
@@ -204,8 +215,7 @@ def quantize(
         distributed.current()
     try:
         if world.active and where.device.type == "cuda":
-            where = devices.DeviceChoice(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))),
-                                         f"rank {world.rank}: local rank's GPU")
+            where = rank_device(device, world.rank, int(os.environ.get("LOCAL_RANK", "0")))
         if not world.is_writer:
             notify = _quiet  # rank 0 speaks for the run
             progress = False

@@ -322,7 +322,8 @@ def quantize_model(
         if store is not None:
             with result.phase("load layer"):
                 store.load_layer(li, layers[li])
-        if device.type != "cpu":
+        home = _device_of(layers[li])  # where the layer lives in the model (a GPU, for a model that sits on one)
+        if home != device:
             with result.phase("load layer"):
                 layers[li].to(device)
         packed: dict[str, nn.Module] = {}
@@ -360,8 +361,8 @@ def quantize_model(
         if store is not None:
             with result.phase("write layer"):
                 store.finish_layer(li, layers[li])
-        elif device.type != "cpu":
-            layers[li].to("cpu")  # the quantized layer rejoins the model
+        elif home != device:
+            layers[li].to(home)  # the quantized layer rejoins the model where the model is
         if on_layer_done is not None:
             on_layer_done(li, inputs if li < len(layers) - 1 else None, result)
         release_free_memory()
@@ -369,6 +370,14 @@ def quantize_model(
     bar.close()
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _device_of(layer: nn.Module) -> torch.device:
+    """The device of a layer's tensors (the CPU for a layer without any, or one still on meta: onloading
+    fills it on the CPU)."""
+    t = next(iter(layer.parameters()), None)
+    t = t if t is not None else next(iter(layer.buffers()), None)
+    return torch.device("cpu") if t is None or t.device.type == "meta" else t.device
 
 
 def _run_stage(model, layer, li: int, stage: Stage, names: list[str], adapter, inputs: Optional[LayerInputs],

@@ -108,6 +108,8 @@ class Recipe(_Strict):
     stages: list[StageSpec] = Field(min_length=1)
     _overrides: list[str] = PrivateAttr(default_factory=list)  # the --set items applied, in order
     _plan: tuple[StagePlan, ...] = PrivateAttr(default=())  # set by validate_recipe
+    # the data it was validated from, as written (schemes unresolved): what more overrides apply to
+    _raw: Optional[dict] = PrivateAttr(default=None)
 
     @property
     def overrides(self) -> list[str]:
@@ -140,18 +142,23 @@ class Recipe(_Strict):
         return self.plan[stage].address
 
     def with_overrides(self, items: list[str]) -> "Recipe":
-        """A copy with more `--set` items applied (validated as a recipe read from a file is)."""
-        raw = yaml.safe_load(self.to_yaml())
+        """A copy with more `--set` items applied to the recipe as written (schemes not yet resolved, so
+        `stages.0.scheme.preset=W8A16` or `...strategy=channel` mean what they mean on a recipe name),
+        validated as a recipe read from a file is."""
+        raw = copy.deepcopy(self._raw) if self._raw is not None else self.model_dump(mode="json", exclude_unset=True)
         for item in items:
             raw = apply_override(raw, item)
         recipe = validate_recipe(raw, self.name)
         recipe._overrides = [*self._overrides, *items]
         return recipe
 
-    def to_yaml(self) -> str:
+    def to_yaml(self, dataset: Optional[str] = None) -> str:
         """The recipe with defaults filled in and schemes resolved to explicit fields; a comment
-        at the top names the --set overrides that were applied."""
+        at the top names the --set overrides that were applied. dataset: calibration data the recipe does
+        not name (texts or token ids given to `quantkit.quantize`), written as calibration.dataset."""
         data = self.model_dump(mode="json")
+        if dataset is not None:
+            data["calibration"]["dataset"] = dataset
         for stage, planned in zip(data["stages"], self.plan):
             stage["scheme"] = planned.scheme.model_dump(mode="json") if planned.scheme is not None else None
             if stage.get("name") is None:
@@ -206,6 +213,7 @@ def validate_recipe(raw: dict, label: str = "recipe") -> Recipe:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:
         raise RecipeError(_format_errors(label, exc, Recipe)) from None
+    recipe._raw = copy.deepcopy(raw)
     names = {i: n for n, i in stage_names([st.model_dump() for st in recipe.stages]).items()}
     recipe._plan = tuple(_plan_stage(label, i, stage, names.get(i, str(i))) for i, stage in enumerate(recipe.stages))
     seen: dict[str, int] = {}

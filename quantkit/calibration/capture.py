@@ -56,9 +56,11 @@ def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[
     for i, layer in enumerate(layers):
         layer.forward = recorder(i)
     try:
+        embed = model.get_input_embeddings().weight
+        where = embed.device if embed.device.type != "meta" else torch.device("cpu")  # onloading: on the CPU
         for ids in batches:
             try:
-                model(input_ids=ids, use_cache=False)
+                model(input_ids=ids.to(where), use_cache=False)
             except _StopForward:
                 pass
     finally:
