@@ -15,10 +15,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from quantkit.version import __version__
 from quantkit import compute, devices, distributed
 from quantkit.catalog import adapter_for
-from quantkit.api import calibration_batches, float_source, report_fallbacks
+from quantkit.api import QuantizeRecord, calibration_batches, float_source, report_fallbacks
 from quantkit.atomic import (atomic_output_dir, check_free_space, check_output_free, check_writable, clean_stale_for,
                              scratch_dir)
 from quantkit.calibration.activations import Activations, Budget
@@ -170,47 +169,19 @@ def quantize(
     restart: bool = False,
     dist_timeout_s: float = distributed.DEFAULT_TIMEOUT_S,
 ) -> QuantizeReport:
-    """Quantize a checkpoint with `recipe` and write the result to `output`.
+    """Quantize a checkpoint with `recipe` and write the result to `output` (docs/pipeline.md has the whole story).
 
-    Everything that can be checked before the work is: the output may be written (and replaced, with
-    `overwrite`), its filesystem has room, the source weights are finite (`zero_nonfinite` sets NaN/Inf
-    to 0 instead of refusing, loudly), the calibration text reads. `notify` gets the one-line messages
-    a user should see (the compute dtype, group-size fallbacks, leftovers of crashed runs removed).
-    `trust_remote_code` keeps the source config's auto_map and its .py files (never executed here).
-
-    load_mode "layers" (default): the model is an empty skeleton; each decoder layer is read from the
-    checkpoint just before its turn and written to the output shards right after (`quantkit.onload`);
-    "whole": the model is loaded into memory first and exported at the end. Both write identical files.
-
-    device: where each decoder layer is calibrated and quantized (`quantkit.devices`: auto takes CUDA when
-    present); the rest of the model stays on the CPU or on disk.
-
-    activation_budget_bytes: calibration activations kept in memory at most (default: half the memory
-    available when calibration starts, on the device they live on); batches beyond it wait on disk in a
-    hidden directory next to the output, removed at the end.
-
-    Before any weight is read, the run's plan (`quantkit.plan`) is made: its peak memory and disk are
-    said in one line, and a run that would not fit the available memory is refused (`memory_check`).
-
-    A "layers" run keeps its state at each layer boundary next to the output (`quantkit.resume`): after a
-    crash or Ctrl-C, `resume` continues at the first unfinished layer (bit-identical output; a changed
-    source, recipe or setting is refused), `restart` discards the stopped run. Without either, a stopped
-    run's state in the way is an error saying so.
-
-    Under torchrun (WORLD_SIZE > 1, `quantkit.distributed`) each rank calibrates on its share of the
-    batches, the statistics are reduced over the ranks, and rank 0 alone writes the output; a collective
-    that waits longer than `dist_timeout_s` (another rank died or hangs) is an error."""
-    if load_mode not in LOAD_MODES:
-        raise QuantizationError(f"load mode {load_mode!r}: use one of {', '.join(LOAD_MODES)}")
-    if (resume or restart) and load_mode != "layers":
-        raise QuantizationError("--resume/--restart need --load layers (the default): a whole-model run keeps no "
-                                "state between layers")
-    if resume and restart:
-        raise QuantizationError("--resume continues a stopped run and --restart discards it: give one of them")
+    Everything that can be checked before the work is: the output may be written (`overwrite` replaces what
+    quantkit wrote), the filesystem has room, the plan fits memory (`memory_check`), the source weights are
+    finite (`zero_nonfinite` zeroes NaN/Inf instead of refusing, loudly). `notify` gets the lines a user sees;
+    `trust_remote_code` keeps the source's auto_map and .py files (never executed here).
+    load_mode "layers" (default) reads each decoder layer just before its turn and writes it right after
+    (`quantkit.onload`), keeping a resumable state (`resume` continues a stopped run, `restart` discards it);
+    "whole" loads the model first. device: where each layer is calibrated; activation_budget_bytes: calibration
+    activations kept in memory (the rest wait on disk). Under torchrun each rank calibrates on its share of the
+    batches and rank 0 writes (`dist_timeout_s` bounds a collective's wait)."""
+    _check_modes(load_mode, resume, restart)
     where = devices.resolve(device)
-    if distributed.env_world_size() > 1 and (resume or restart):
-        raise distributed.DistributedError("--resume/--restart are not supported in distributed runs yet: "
-                                           "resume with a single process (its state differs per world size)")
     world = distributed.init(where.device, dist_timeout_s) if distributed.env_world_size() > 1 else \
         distributed.current()
     try:
@@ -237,112 +208,168 @@ def quantize(
     return report
 
 
+def _check_modes(load_mode: str, resume: bool, restart: bool) -> None:
+    """Refuse load / resume combinations that cannot work, before anything is read."""
+    if load_mode not in LOAD_MODES:
+        raise QuantizationError(f"load mode {load_mode!r}: use one of {', '.join(LOAD_MODES)}")
+    if (resume or restart) and load_mode != "layers":
+        raise QuantizationError("--resume/--restart need --load layers (the default): a whole-model run keeps no "
+                                "state between layers")
+    if resume and restart:
+        raise QuantizationError("--resume continues a stopped run and --restart discards it: give one of them")
+    if distributed.env_world_size() > 1 and (resume or restart):
+        raise distributed.DistributedError("--resume/--restart are not supported in distributed runs yet: "
+                                           "resume with a single process (its state differs per world size)")
+
+
 def _quantize(model_spec, recipe, output, overwrite, progress, notify, zero_nonfinite, trust_remote_code, load_mode,
               max_shard_bytes, peak: PeakSampler, where: devices.DeviceChoice,
               activation_budget: Optional[int], memory_check: bool, resume: bool = False,
               restart: bool = False, world: distributed.World = distributed.World()) -> QuantizeReport:
     start = time.perf_counter()
-    source, raw, storage_dtype = float_source(model_spec)
-    out = Path(output) if output else default_output(source, recipe)
-    if world.is_writer:
-        for line in clean_stale_for(out):
-            notify(line)
-        check_output_free(out, overwrite, protect=[source])  # before minutes of work, not after
-        check_writable(out)
-    adapter = adapter_for(raw.get("model_type", "?"))
-    choice = compute.choose(storage_dtype, where.device, recipe.calibration.dtype, "calibration.dtype")
-    notify(choice.describe())
-    if load_mode == "whole":
-        try:
-            model, onloaded = load(source, dtype=choice.dtype, finite=False), None  # checked just below
-        except DoesNotFitError as exc:  # (its fixes name eval's and generate's options, which quantize has not)
-            raise QuantizationError(f"--load whole: {exc.what}; --load layers (the default) holds one decoder "
-                                    "layer at a time") from None
-        zeroed = check_source(model, zero_nonfinite, notify)
-    else:
-        model = skeleton(model_config(source, raw), choice.dtype)
-        onloaded = OnloadedModel(model, source, adapter, choice.dtype, storage_dtype)
-        zeroed = onloaded.check_finite(zero_nonfinite, notify)
-    stages = build_stages(model, adapter, recipe)
+    job = _Job.open(model_spec, recipe, output, overwrite, where, world, notify)
+    model, onloaded, zeroed = job.load_source(load_mode, zero_nonfinite)
+    stages = build_stages(model, job.adapter, recipe)
     fallbacks = report_fallbacks(stages, notify)
-    checkpoint_bytes = estimate_checkpoint_bytes(model, stages, storage_dtype)
-    the_plan = make_plan(model, stages, adapter, recipe, model_name=str(source), device=where.device,
-                         compute_dtype=choice.dtype, storage_dtype=storage_dtype, checkpoint_bytes=checkpoint_bytes,
-                         activation_budget=_budget(where.device, activation_budget), throughput=None,
-                         nproc=world.size, tokenizer_bytes=tokenizer_file_bytes(source))
-    notify(f"plan: peak memory ~{the_plan.peak_host_bytes / 1e9:.2f} GB"
-           + (f" host, ~{the_plan.peak_device_bytes / 1e9:.2f} GB {where.device}" if where.is_accelerator else "")
-           + f"; checkpoint ~{checkpoint_bytes / 1e9:.2f} GB; disk ~{the_plan.disk_bytes / 1e9:.2f} GB")
-    if memory_check and load_mode == "layers":
-        check_plan_fits(the_plan, available_memory())
-    if world.is_writer:
-        check_free_space(out, the_plan.disk_bytes)
-    batches = None
+    the_plan = job.plan_run(model, stages, activation_budget, memory_check and load_mode == "layers")
     scratch = ExitStack()
-    activations = Activations()
-    if any(s.algorithm.needs_data() for s in stages):
-        batches = calibration_batches(source, recipe, adapter.needs_bos)
+    batches, activations = job.calibration(stages, model, activation_budget, scratch)
+    extra_files = job.files_writer(peak, load_mode, fallbacks, zeroed, the_plan, activations)
+    if not world.is_writer:
+        with scratch, widened(job.choice):
+            result = _run_silent(model, job.adapter, stages, batches, job.storage, where, activations, onloaded)
+        return QuantizeReport(job.out, job.source, result, time.perf_counter() - start, job.choice, where)
+    state = None if onloaded is None else job.run_state(batches, load_mode, max_shard_bytes, zero_nonfinite, resume,
+                                                          restart)
+    try:
+        with scratch, widened(job.choice):
+            result = _run(model, job.adapter, stages, batches, job.storage, progress, where, activations, onloaded,
+                          job.out, overwrite, job.source, extra_files, trust_remote_code, notify, max_shard_bytes, state)
+    except BaseException:
+        if state is not None:
+            state.release()
+            if state.finished:
+                notify(state.stopped_message(job.out, len(job.adapter.layers(model))))
+            else:
+                state.remove()  # nothing finished: nothing worth keeping
+        raise
+    if state is not None:
+        state.remove()  # a finished run leaves nothing but its output
+    return QuantizeReport(job.out, job.source, result, time.perf_counter() - start, job.choice, where)
+
+
+@dataclass
+class _Job:
+    """One quantize run's fixed facts, and its steps in order: the output checked, the source loaded (whole
+    or as a skeleton), the plan, the calibration data, the files beside the weights, the resumable state."""
+
+    source: Path
+    raw: dict
+    storage: torch.dtype
+    out: Path
+    recipe: Recipe
+    adapter: object
+    choice: compute.ComputeChoice
+    where: devices.DeviceChoice
+    world: distributed.World
+    notify: Callable[[str], None]
+
+    @classmethod
+    def open(cls, model_spec, recipe: Recipe, output, overwrite: bool, where: devices.DeviceChoice,
+             world: distributed.World, notify: Callable[[str], None]) -> "_Job":
+        source, raw, storage = float_source(model_spec)
+        out = Path(output) if output else default_output(source, recipe)
+        if world.is_writer:
+            for line in clean_stale_for(out):
+                notify(line)
+            check_output_free(out, overwrite, protect=[source])  # before minutes of work, not after
+            check_writable(out)
+        choice = compute.choose(storage, where.device, recipe.calibration.dtype, "calibration.dtype")
+        notify(choice.describe())
+        return cls(source, raw, storage, out, recipe, adapter_for(raw.get("model_type", "?")), choice, where, world,
+                   notify)
+
+    def load_source(self, load_mode: str, zero_nonfinite: bool):
+        """(model, its onloader or None, the tensors whose NaN/Inf were zeroed): loaded whole, or an empty
+        skeleton whose layers are read as their turn comes; non-finite weights refused or zeroed (said)."""
+        if load_mode == "whole":
+            try:
+                model = load(self.source, dtype=self.choice.dtype, finite=False)  # checked just below
+            except DoesNotFitError as exc:  # (its fixes name eval's and generate's options, which quantize has not)
+                raise QuantizationError(f"--load whole: {exc.what}; --load layers (the default) holds one decoder "
+                                        "layer at a time") from None
+            return model, None, check_source(model, zero_nonfinite, self.notify)
+        model = skeleton(model_config(self.source, self.raw), self.choice.dtype)
+        onloaded = OnloadedModel(model, self.source, self.adapter, self.choice.dtype, self.storage)
+        return model, onloaded, onloaded.check_finite(zero_nonfinite, self.notify)
+
+    def plan_run(self, model, stages, activation_budget: Optional[int], memory_check: bool) -> Plan:
+        """The run's plan, said in one line; a run that would not fit memory or disk is refused now."""
+        checkpoint_bytes = estimate_checkpoint_bytes(model, stages, self.storage)
+        where = self.where
+        the_plan = make_plan(model, stages, self.adapter, self.recipe, model_name=str(self.source),
+                             device=where.device, compute_dtype=self.choice.dtype, storage_dtype=self.storage,
+                             checkpoint_bytes=checkpoint_bytes,
+                             activation_budget=_budget(where.device, activation_budget), throughput=None,
+                             nproc=self.world.size, tokenizer_bytes=tokenizer_file_bytes(self.source))
+        self.notify(f"plan: peak memory ~{the_plan.peak_host_bytes / 1e9:.2f} GB"
+                    + (f" host, ~{the_plan.peak_device_bytes / 1e9:.2f} GB {where.device}" if where.is_accelerator
+                       else "")
+                    + f"; checkpoint ~{checkpoint_bytes / 1e9:.2f} GB; disk ~{the_plan.disk_bytes / 1e9:.2f} GB")
+        if memory_check:
+            check_plan_fits(the_plan, available_memory())
+        if self.world.is_writer:
+            check_free_space(self.out, the_plan.disk_bytes)
+        return the_plan
+
+    def calibration(self, stages, model, activation_budget: Optional[int], scratch: ExitStack):
+        """(this rank's calibration batches or None, where their activations live)."""
+        if not any(s.algorithm.needs_data() for s in stages):
+            return None, Activations()
+        world = self.world
+        batches = calibration_batches(self.source, self.recipe, self.adapter.needs_bos, config=self.raw)
         if world.active:
             if len(batches) < world.size:
                 raise distributed.DistributedError(
                     f"the calibration data makes {len(batches)} batch(es) for {world.size} ranks: every rank needs "
                     "one; raise calibration.num_samples, lower calibration.batch_size, or use fewer ranks")
             batches = world.shard(batches)  # batch i to rank i mod N
-        activations = _activations(batches, model.config.hidden_size, choice.dtype, where.device, activation_budget,
-                                   out, scratch, notify)
+        return batches, _activations(batches, model.config.hidden_size, self.choice.dtype, self.where.device,
+                                     activation_budget, self.out, scratch, self.notify)
 
-    def extra_files(result: QuantizationResult) -> dict[str, str]:
-        metadata = {
-            "quantkit_version": __version__,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "source": str(source),
-            "recipe": recipe.name,
-            "overrides": recipe.overrides,
-            "compute": choice.to_json(),
-            "device": {"device": str(where.device), "reason": where.reason,
-                       "peak_bytes": devices.peak_memory_bytes(where.device)},
-            "load": load_mode,
-            "world_size": world.size,
-            "quantize_seconds": round(result.seconds, 2),
-            "timings": {k: round(v, 3) for k, v in result.timings.items()},
-            "peak_rss_bytes": peak.peak_rss,  # so far: the files are written at the end of the job
-            "group_size_fallbacks": fallbacks,
-            "zeroed_nonfinite": zeroed,
-            "plan": the_plan.to_json(),  # the estimate, next to the measured peak_rss_bytes
-            "activations": {"budget_bytes": activations.budget.limit, "peak_bytes": activations.budget.peak,
-                            "spilled_bytes": activations.budget.spilled_bytes},
-            "layers": result.layers,
-        }
-        return {"recipe.yaml": recipe.to_yaml(), "quantkit.json": json.dumps(metadata, indent=2) + "\n"}
+    def files_writer(self, peak: PeakSampler, load_mode: str, fallbacks: list, zeroed: list, the_plan: Plan,
+                     activations: Activations) -> Callable[[QuantizationResult], dict[str, str]]:
+        """recipe.yaml and quantkit.json for a result: the Python API's metadata (one builder,
+        `api.QuantizeRecord.metadata`) and what only this job knows (memory, load mode, plan, activations)."""
+        def extra_files(result: QuantizationResult) -> dict[str, str]:
+            created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            record = QuantizeRecord(self.recipe, self.source, self.storage, self.choice, self.where, result,
+                                    fallbacks, created)
+            metadata = {**record.metadata(), **{
+                "device": {"device": str(self.where.device), "reason": self.where.reason,
+                           "peak_bytes": devices.peak_memory_bytes(self.where.device)},
+                "load": load_mode,
+                "world_size": self.world.size,
+                "peak_rss_bytes": peak.peak_rss,  # so far: the files are written at the end of the job
+                "zeroed_nonfinite": zeroed,
+                "plan": the_plan.to_json(),  # the estimate, next to the measured peak_rss_bytes
+                "activations": {"budget_bytes": activations.budget.limit, "peak_bytes": activations.budget.peak,
+                                "spilled_bytes": activations.budget.spilled_bytes},
+            }}
+            metadata["layers"] = metadata.pop("layers")  # last, as it always was: the long part
+            return {"recipe.yaml": self.recipe.to_yaml(), "quantkit.json": json.dumps(metadata, indent=2) + "\n"}
+        return extra_files
 
-    state = None
-    if not world.is_writer:
-        with scratch, widened(choice):
-            result = _run_silent(model, adapter, stages, batches, storage_dtype, where, activations, onloaded)
-        return QuantizeReport(out, source, result, time.perf_counter() - start, choice, where)
-    if onloaded is not None:
-        settings = {"load": load_mode, "compute_dtype": choice.name, "device_type": where.device.type,
-                    "world_size": world.size, "max_shard_bytes": max_shard_bytes,
+    def run_state(self, batches, load_mode: str, max_shard_bytes: int, zero_nonfinite: bool, resume: bool,
+                  restart: bool) -> "resume_mod.RunState":
+        """The resumable state of a layer-by-layer run (a stopped one continued with `resume`)."""
+        settings = {"load": load_mode, "compute_dtype": self.choice.name, "device_type": self.where.device.type,
+                    "world_size": self.world.size, "max_shard_bytes": max_shard_bytes,
                     "zero_nonfinite": bool(zero_nonfinite)}
-        if choice.wide_matmuls:  # (only when set: a manifest of a run without widening reads the same as before)
+        if self.choice.wide_matmuls:  # (only when set: a manifest of a run without widening reads the same as before)
             settings["wide_matmuls"] = True  # float32 GEMMs rounded to 16 bits: other last bits than native kernels
-        manifest = resume_mod.fingerprint(source, recipe.to_yaml(), batches, settings)
-        state = resume_mod.RunState.open(out, manifest, resume, restart, notify)
-    try:
-        with scratch, widened(choice):
-            result = _run(model, adapter, stages, batches, storage_dtype, progress, where, activations, onloaded, out,
-                          overwrite, source, extra_files, trust_remote_code, notify, max_shard_bytes, state)
-    except BaseException:
-        if state is not None:
-            state.release()
-            if state.finished:
-                notify(state.stopped_message(out, len(adapter.layers(model))))
-            else:
-                state.remove()  # nothing finished: nothing worth keeping
-        raise
-    if state is not None:
-        state.remove()  # a finished run leaves nothing but its output
-    return QuantizeReport(out, source, result, time.perf_counter() - start, choice, where)
+        manifest = resume_mod.fingerprint(self.source, self.recipe.to_yaml(), batches, settings)
+        return resume_mod.RunState.open(self.out, manifest, resume, restart, self.notify)
 
 
 def _activations(batches: list[torch.Tensor], hidden_size: int, dtype: torch.dtype, device: torch.device,

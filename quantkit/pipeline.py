@@ -300,25 +300,13 @@ def quantize_model(
     after each layer is handed back to the store, with the next layer's inputs in `inputs`."""
     start = time.perf_counter()
     layers = adapter.layers(model)
-    needs_data = any(s.algorithm.needs_data() for s in stages)
-    if needs_data and not batches:
-        raise QuantizationError("a stage needs calibration data but no calibration batches were given")
     result = result if result is not None else QuantizationResult()
-    with result.phase("capture layer inputs"):
-        inputs = capture_layer_inputs(model, layers, batches, device, activations) if needs_data else None
-    if start_layer and inputs is not None:
-        inputs.hidden.clear()
-        inputs.hidden = inputs.hidden.successor()
-        for t in resume_hidden:
-            inputs.hidden.append(t.to(device))
-        for li in range(start_layer):
-            inputs.kwargs[li] = []
+    inputs = _first_inputs(model, layers, stages, batches, device, activations, start_layer, resume_hidden, result)
     notes: dict[str, dict] = {}  # what transforms report per linear, logged when it is quantized
     bar = tqdm(range(start_layer, len(layers)), desc="quantizing layers", unit="layer", disable=not progress,
                initial=start_layer, total=len(layers))
     result.on_phase = lambda name: bar.set_postfix_str(name, refresh=True)
     for li in bar:
-        prefix = f"{adapter.layers_path}.{li}."
         if store is not None:
             with result.phase("load layer"):
                 store.load_layer(li, layers[li])
@@ -326,36 +314,8 @@ def quantize_model(
         if home != device:
             with result.phase("load layer"):
                 layers[li].to(device)
-        packed: dict[str, nn.Module] = {}
-        following = None  # the next layer's inputs, when a true-sequential pass made them
-        for stage in stages:
-            names = [n for n in stage.modules if n.startswith(prefix)]
-            if not names:
-                continue
-            if inputs is not None and stage.algorithm.true_sequential():
-                made, following = _run_stage_lockstep(model, layers[li], li, stage, names, adapter, inputs,
-                                                      scale_dtype, result, notes, last=li == len(layers) - 1)
-                packed.update(made)
-            else:
-                packed.update(_run_stage(model, layers[li], li, stage, names, adapter, inputs, scale_dtype, result, notes))
-        for stage in filter(_observes_attention, stages):  # after the weights: K/V as the quantized layer makes them
-            with result.phase(f"{stage.spec.algorithm}: calibrate"):
-                report = stage.algorithm.calibrate_layer(layers[li], adapter.attention, inputs.hidden,
-                                                         inputs.kwargs[li], scale_dtype)
-            result.kv_scales.append({"layer": li, **report})
-            result.kv_cache_scheme = stage.algorithm.scheme_config()
-        if following is not None:
-            inputs.hidden.clear()  # the pass made the next layer's inputs (the last stage to change weights)
-            inputs.hidden = following
-            inputs.kwargs[li] = []
-        elif inputs is not None and li < len(layers) - 1:
-            with result.phase("forward quantized layer (next inputs)"):
-                # this layer's inputs are released as the next layer's are made: one budget for both
-                inputs.hidden = run_layer(layers[li], inputs.hidden.drain(), inputs.kwargs[li],
-                                          into=inputs.hidden.successor())
-            inputs.kwargs[li] = []  # this layer's arguments are no longer needed
-        elif inputs is not None:
-            inputs.hidden.clear()  # the last layer's inputs (and their spill files)
+        packed, following = _quantize_layer(model, layers, li, stages, adapter, inputs, scale_dtype, result, notes)
+        _advance(layers, li, inputs, following, result)
         for name, module in packed.items():
             model.set_submodule(name, module)
         if store is not None:
@@ -370,6 +330,69 @@ def quantize_model(
     bar.close()
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _first_inputs(model, layers, stages, batches, device, activations, start_layer: int, resume_hidden,
+                  result: QuantizationResult) -> Optional[LayerInputs]:
+    """What the first layer to quantize receives (None when no stage calibrates): captured by one forward
+    per batch, or, resuming at `start_layer`, the saved activations entering it."""
+    if not any(s.algorithm.needs_data() for s in stages):
+        return None
+    if not batches:
+        raise QuantizationError("a stage needs calibration data but no calibration batches were given")
+    with result.phase("capture layer inputs"):
+        inputs = capture_layer_inputs(model, layers, batches, device, activations)
+    if start_layer:
+        inputs.hidden.clear()
+        inputs.hidden = inputs.hidden.successor()
+        for t in resume_hidden:
+            inputs.hidden.append(t.to(device))
+        for li in range(start_layer):
+            inputs.kwargs[li] = []
+    return inputs
+
+
+def _quantize_layer(model, layers, li: int, stages, adapter, inputs: Optional[LayerInputs], scale_dtype,
+                    result: QuantizationResult, notes: dict) -> tuple[dict[str, nn.Module], Optional[Activations]]:
+    """Every stage on layer `li`: (the packed modules to swap in, the next layer's inputs when a true-sequential
+    pass made them, else None); KV-cache observers run last, on K/V as the quantized layer makes them."""
+    prefix = f"{adapter.layers_path}.{li}."
+    packed: dict[str, nn.Module] = {}
+    following = None
+    for stage in stages:
+        names = [n for n in stage.modules if n.startswith(prefix)]
+        if not names:
+            continue
+        if inputs is not None and stage.algorithm.true_sequential():
+            made, following = _run_stage_lockstep(model, layers[li], li, stage, names, adapter, inputs,
+                                                  scale_dtype, result, notes, last=li == len(layers) - 1)
+            packed.update(made)
+        else:
+            packed.update(_run_stage(model, layers[li], li, stage, names, adapter, inputs, scale_dtype, result, notes))
+    for stage in filter(_observes_attention, stages):
+        with result.phase(f"{stage.spec.algorithm}: calibrate"):
+            report = stage.algorithm.calibrate_layer(layers[li], adapter.attention, inputs.hidden,
+                                                     inputs.kwargs[li], scale_dtype)
+        result.kv_scales.append({"layer": li, **report})
+        result.kv_cache_scheme = stage.algorithm.scheme_config()
+    return packed, following
+
+
+def _advance(layers, li: int, inputs: Optional[LayerInputs], following, result: QuantizationResult) -> None:
+    """Make the next layer's inputs out of this (quantized) layer's: the true-sequential pass's, or one
+    forward; this layer's inputs and arguments are released."""
+    if following is not None:
+        inputs.hidden.clear()  # the pass made the next layer's inputs (the last stage to change weights)
+        inputs.hidden = following
+        inputs.kwargs[li] = []
+    elif inputs is not None and li < len(layers) - 1:
+        with result.phase("forward quantized layer (next inputs)"):
+            # this layer's inputs are released as the next layer's are made: one budget for both
+            inputs.hidden = run_layer(layers[li], inputs.hidden.drain(), inputs.kwargs[li],
+                                      into=inputs.hidden.successor())
+        inputs.kwargs[li] = []  # this layer's arguments are no longer needed
+    elif inputs is not None:
+        inputs.hidden.clear()  # the last layer's inputs (and their spill files)
 
 
 def _device_of(layer: nn.Module) -> torch.device:

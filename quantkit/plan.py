@@ -212,19 +212,9 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
 
     cal = recipe.calibration
     calibrates = any(s.algorithm.needs_data() for s in stages)
-    tokens = cal.num_samples * (cal.seq_len + (1 if adapter.needs_bos else 0)) if calibrates else 0
-    # nproc ranks (`quantkit.distributed`): each holds its share of the batches' activations
-    batches = math.ceil(cal.num_samples / cal.batch_size)
-    share = math.ceil(batches / nproc) / batches if calibrates else 0
-    act = int(tokens * share) * config.hidden_size * itemsize
-    act_held = min(2 * act, activation_budget) if activation_budget is not None else 2 * act
-    spill = max(0, 2 * act - act_held)
-
-    work = 0
-    if linears:
-        bits = max(sc.num_bits for sc in schemes.values())
-        codes = sum(m.weight.numel() for m in linears.values()) * (1 + bits / 8)  # int8 codes + packed words
-        work = int(largest * (4 + (4 if itemsize < 4 else 0) + itemsize) + codes)  # float32 copies, dequantized
+    tokens, share, act, act_held, spill = _activations(cal, calibrates, adapter.needs_bos, nproc, config.hidden_size,
+                                                       itemsize, activation_budget)
+    work = _quantize_work(linears, schemes, largest, itemsize)
     extra = max((_stage_extra(s, linears, adapter, cal, tokens, config.hidden_size) for s in stages), default=0)
     in_flight = _lockstep_bytes(stages, linears, adapter, int(tokens * share), config.hidden_size, itemsize)
     layer_phase = layer_params * itemsize + act_held + work + extra + in_flight
@@ -239,16 +229,8 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
                  "quantize": work, "solver": extra}
     if in_flight:
         breakdown["batches in flight"] = in_flight  # a true-sequential pass (`calibration.lockstep`)
-    if device.type == "cpu":  # every rank on this host
-        host = nproc * max(scan, base + max(outside_cost, layer_phase))
-        dev = 0
-    else:  # one device per rank
-        host = nproc * max(scan, base + max(outside_cost, layer_params * itemsize))
-        dev = layer_phase
-    if outside_cost > layer_phase:
-        breakdown = {"process": base, "largest outside tensor": outside_cost}
-    if scan > base + max(outside_cost, layer_phase):
-        breakdown = {"process": process, "scan of the source for NaN/Inf": scan - process}
+    host, dev, breakdown = _peaks(device, nproc, scan, base, process, outside_cost, layer_phase,
+                                  layer_params * itemsize, breakdown)
 
     kv_elem = 1.0 if any(s.spec.algorithm == "kv_cache" for s in stages) else float(itemsize)  # FP8 cache: 1 byte
     seconds, rates = _estimate(stages, adapter, layers, linears, tokens, source, quantized_params, throughput, cal,
@@ -262,6 +244,46 @@ def make_plan(model: nn.Module, stages: list[Stage], adapter, recipe, *, model_n
         peak_device_bytes=int(dev), disk_bytes=int(disk_needed(checkpoint_bytes, act, spill)), activation_bytes=int(act),
         kv_bytes_per_token=kv_bytes_per_token(config, kv_elem),
         context=int(getattr(config, "max_position_embeddings", 0) or 0), estimated_seconds=seconds, nproc=nproc, breakdown={k: int(v) for k, v in breakdown.items()}, throughput=rates)
+
+
+def _activations(cal, calibrates: bool, needs_bos: bool, nproc: int, hidden: int, itemsize: int,
+                 budget: Optional[int]) -> tuple[int, float, int, int, int]:
+    """(calibration tokens, this rank's share of the batches, activation bytes of one layer's inputs, bytes
+    held in memory (inputs and outputs of a layer, within the budget), bytes spilled to disk)."""
+    tokens = cal.num_samples * (cal.seq_len + (1 if needs_bos else 0)) if calibrates else 0
+    # nproc ranks (`quantkit.distributed`): each holds its share of the batches' activations
+    batches = math.ceil(cal.num_samples / cal.batch_size)
+    share = math.ceil(batches / nproc) / batches if calibrates else 0
+    act = int(tokens * share) * hidden * itemsize
+    held = min(2 * act, budget) if budget is not None else 2 * act
+    return tokens, share, act, held, max(0, 2 * act - held)
+
+
+def _quantize_work(linears: dict, schemes: dict, largest: int, itemsize: int) -> int:
+    """Bytes of one linear's quantization: float32 copies of the largest weight, its dequantized form, and the
+    codes and packed words of the layer's linears."""
+    if not linears:
+        return 0
+    bits = max(sc.num_bits for sc in schemes.values())
+    codes = sum(m.weight.numel() for m in linears.values()) * (1 + bits / 8)  # int8 codes + packed words
+    return int(largest * (4 + (4 if itemsize < 4 else 0) + itemsize) + codes)
+
+
+def _peaks(device: torch.device, nproc: int, scan: int, base: int, process: int, outside_cost: int, layer_phase: int,
+           layer_bytes: int, breakdown: dict) -> tuple[int, int, dict]:
+    """(peak host bytes, peak device bytes, the breakdown of the larger phase): the NaN/Inf scan before the work,
+    the tensors outside the decoder layers, or a layer's quantization, whichever is largest."""
+    if device.type == "cpu":  # every rank on this host
+        host = nproc * max(scan, base + max(outside_cost, layer_phase))
+        dev = 0
+    else:  # one device per rank
+        host = nproc * max(scan, base + max(outside_cost, layer_bytes))
+        dev = layer_phase
+    if outside_cost > layer_phase:
+        breakdown = {"process": base, "largest outside tensor": outside_cost}
+    if scan > base + max(outside_cost, layer_phase):
+        breakdown = {"process": process, "scan of the source for NaN/Inf": scan - process}
+    return host, dev, breakdown
 
 
 def disk_needed(checkpoint_bytes: int, activation_bytes: int, spill_bytes: int) -> int:

@@ -83,78 +83,85 @@ def drive_in_lockstep(
     A batch that reaches a group after it was quantized (the layer calls its linears in an order that
     differs between batches) is an error, never statistics missing a batch.
     """
-    kwargs = list(kwargs)
-    where = {id(m): g for g, group in enumerate(groups) for m in group}
-    done: set[int] = set()
-    caller = greenlet.getcurrent()
-    current: list[Optional[_Batch]] = [None]  # the batch whose forward is running
+    run = _Pass(layer, list(kwargs), groups, outputs, names)
+    handles = [m.register_forward_pre_hook(run.park) for group in groups for m in group]
+    try:
+        for i, h in enumerate(hidden):  # read (a spilled batch: from disk) only when its turn comes
+            run.start(_Batch(i, hidden=h))
+            del h
+        run.serve(on_input, at_group)
+    finally:
+        run.unwind()
+        for handle in handles:
+            handle.remove()
+    return outputs
 
-    def label(g: int) -> str:
-        return names[g] if names else f"group {g}"
 
-    def park(module: nn.Module, args: tuple) -> None:
-        batch = current[0]
+class _Pass:
+    """One lock-step pass: the batches, which group each is parked at, and the caller they switch back to."""
+
+    def __init__(self, layer: nn.Module, kwargs: list[dict], groups: Sequence[Sequence[nn.Module]],
+                 outputs: Optional[list], names: Optional[Sequence[str]]):
+        self.layer, self.kwargs, self.groups, self.outputs, self.names = layer, kwargs, groups, outputs, names
+        self.where = {id(m): g for g, group in enumerate(groups) for m in group}
+        self.done: set[int] = set()
+        self.caller = greenlet.getcurrent()
+        self.current: Optional[_Batch] = None  # the batch whose forward is running
+        self.batches: list[_Batch] = []
+        self.emitted = 0  # outputs handed out, in batch order
+
+    def label(self, g: int) -> str:
+        return self.names[g] if self.names else f"group {g}"
+
+    def park(self, module: nn.Module, args: tuple) -> None:
+        """The pre-hook on every group's linears: the running batch stops here until the group's turn."""
+        batch = self.current
         if batch is None:
             return  # the layer run outside this pass's batches (a callback's own forward)
-        g = where[id(module)]
+        g = self.where[id(module)]
         if g in batch.seen:
             return  # this batch gave the group its input at the group's first linear; the rest read the same
-        if g in done:
+        if g in self.done:
             raise QuantizationError(
-                f"calibration batch {batch.index} reached {label(g)} after it was quantized: this layer calls its "
-                "linears in an order that differs between batches, which a single true-sequential pass cannot "
+                f"calibration batch {batch.index} reached {self.label(g)} after it was quantized: this layer calls "
+                "its linears in an order that differs between batches, which a single true-sequential pass cannot "
                 "follow; set true_sequential: false for this stage")
         batch.seen.add(g)
         batch.group, batch.pending, batch.state = g, args[0], "parked"
-        caller.switch()  # back to the pass; resumed (or unwound by _Abort) when the group's turn is over
+        self.caller.switch()  # back to the pass; resumed (or unwound by _Abort) when the group's turn is over
 
-    def work(batch: _Batch) -> None:
+    def _work(self, batch: _Batch) -> None:
         _live[0] += 1
         try:
-            out = layer(batch.hidden, **kwargs[batch.index])
+            out = self.layer(batch.hidden, **self.kwargs[batch.index])
             batch.output = out[0] if isinstance(out, tuple) else out
             batch.state = "done"
         finally:
             batch.hidden = None
             _live[0] -= 1
 
-    def start(batch: _Batch) -> None:
-        forward = greenlet.greenlet(work, parent=caller)
+    def start(self, batch: _Batch) -> None:
+        self.batches.append(batch)
+        forward = greenlet.greenlet(self._work, parent=self.caller)
         forward.gr_context = contextvars.copy_context()  # the forward sees the caller's context variables
         batch.forward = forward
-        resume(batch, batch)
+        self.resume(batch, batch)
 
-    def resume(batch: _Batch, *args: Any, throw: bool = False) -> None:
+    def resume(self, batch: _Batch, *args: Any, throw: bool = False) -> None:
         """Run the batch's forward until it parks or ends; what it raises is raised here."""
-        current[0], batch.state = batch, "running"
+        self.current, batch.state = batch, "running"
         try:
             if throw:
                 batch.forward.throw(_Abort)
             else:
                 batch.forward.switch(*args)
         finally:
-            current[0] = None
+            self.current = None
 
-    handles = [m.register_forward_pre_hook(park) for group in groups for m in group]
-    batches: list[_Batch] = []
-    emitted = 0
-
-    def flush(emitted: int) -> int:
-        """Finished batches' outputs, in order, as soon as every earlier batch has finished; how many are out."""
-        while outputs is not None and emitted < len(batches) and batches[emitted].state == "done":
-            outputs.append(batches[emitted].output)
-            batches[emitted].output = None
-            emitted += 1
-        return emitted
-
-    try:
-        for i, h in enumerate(hidden):  # read (a spilled batch: from disk) only when its turn comes
-            batch = _Batch(i, hidden=h)
-            batches.append(batch)
-            del h
-            start(batch)
+    def serve(self, on_input: Callable[[int, torch.Tensor], None], at_group: Callable[[int], None]) -> None:
+        """Hand the earliest group waited on its inputs and its turn, until no batch is parked."""
         while True:
-            parked = [b for b in batches if b.state == "parked"]
+            parked = [b for b in self.batches if b.state == "parked"]
             if not parked:
                 break
             g = min(b.group for b in parked)
@@ -164,22 +171,29 @@ def drive_in_lockstep(
                 on_input(g, x)
                 del x
             at_group(g)
-            done.add(g)
+            self.done.add(g)
             for b in waiting:
-                resume(b)
-            emitted = flush(emitted)
-        flush(emitted)
-        missing = [g for g in range(len(groups)) if g not in done]
-        if batches and missing:
-            raise QuantizationError(f"no calibration batch reached {label(missing[0])} in this layer's forward")
-    finally:
-        for b in batches:
+                self.resume(b)
+            self._flush()
+        self._flush()
+        missing = [g for g in range(len(self.groups)) if g not in self.done]
+        if self.batches and missing:
+            raise QuantizationError(f"no calibration batch reached {self.label(missing[0])} in this layer's forward")
+
+    def _flush(self) -> None:
+        """Finished batches' outputs, in order, as soon as every earlier batch has finished."""
+        while self.outputs is not None and self.emitted < len(self.batches) \
+                and self.batches[self.emitted].state == "done":
+            self.outputs.append(self.batches[self.emitted].output)
+            self.batches[self.emitted].output = None
+            self.emitted += 1
+
+    def unwind(self) -> None:
+        """Drop what the batches hold; unwind every parked forward (its frames' finally blocks run)."""
+        for b in self.batches:
             b.pending = b.output = None
             if b.state == "parked" and not b.forward.dead:
                 try:
-                    resume(b, throw=True)  # it unwinds (its frames' finally blocks run) and ends
+                    self.resume(b, throw=True)
                 except _Abort:
                     pass
-        for handle in handles:
-            handle.remove()
-    return outputs

@@ -132,11 +132,14 @@ def _f(x, fmt: str) -> str:
 def blocks(data: dict) -> list[Block]:
     """The report as blocks, from the gathered data (`gather`)."""
     ev, ckpts = data["eval"], data["checkpoints"]
-    rows = ev["results"]
     datasets = [d["name"] for d in ev["protocol"]["datasets"]]
     out = [Block("h1", f"quantkit report: {len(ckpts) - 1} checkpoint(s) of {display_name(ckpts[0]['model'])}"),
            Block("p", f"Written {data['created']} by quantkit {data['quantkit_version']} on {data['machine']}.")]
+    return (out + _summary(ckpts, ev["results"], datasets) + _protocol(ev["protocol"]) + _plots(datasets[0])
+            + _checkpoints(ckpts) + _generations(data))
 
+
+def _summary(ckpts: list[dict], rows: list[dict], datasets: list[str]) -> list[Block]:
     header = ["checkpoint", "recipe", "size MB", "bits/weight"]
     for d in datasets:
         header += [f"ppl {d}", "Δ ppl %", "KLD mean", "KLD p99", "top-1 %"]
@@ -151,10 +154,11 @@ def blocks(data: dict) -> list[Block]:
                      "" if original else _f(r["kld_mean"], ".4f"), "" if original else _f(r["kld_p99"], ".4f"),
                      "" if original else _f(r["top1_pct"], ".2f")]
         table.append(line)
-    out += [Block("h2", "Summary"), Block("table", header=tuple(header), rows=tuple(map(tuple, table)))]
+    return [Block("h2", "Summary"), Block("table", header=tuple(header), rows=tuple(map(tuple, table)))]
 
-    p = ev["protocol"]
-    out += [Block("h2", "Protocol"),
+
+def _protocol(p: dict) -> list[Block]:
+    return [Block("h2", "Protocol"),
             Block("p", f"Token-level: the text is tokenized once by the original's tokenizer and cut into windows of "
                        f"{p['seq_len']} tokens without overlap; every position after the first of a window predicts "
                        f"the next token. BOS {'is prepended to every window' if p['bos'] else 'is not prepended'}. "
@@ -164,7 +168,9 @@ def blocks(data: dict) -> list[Block]:
                   rows=tuple((d["name"], d["sha256"], str(d["text_tokens"]), str(d["windows"]),
                               str(d["scored_tokens"])) for d in p["datasets"]))]
 
-    out += [Block("h2", "Plots"),
+
+def _plots(first_dataset: str) -> list[Block]:
+    return [Block("h2", "Plots"),
             Block("img", "per_layer_error.png", header=("Per-layer weight SQNR",)),
             Block("p", "Left: weight SQNR (10 log10 of weight energy over quantization-error energy) of each "
                        "quantized linear, averaged per decoder layer. Right: each layer's output error on the "
@@ -172,23 +178,28 @@ def blocks(data: dict) -> list[Block]:
                        "the loss of the scaled against the unscaled weights), for the algorithms that record it. "
                        "Both from quantkit.json."),
             Block("img", "size_vs_quality.png", header=("Size against quality",)),
-            Block("p", f"Perplexity and mean KLD on {datasets[0]} against bits per weight of the whole checkpoint "
+            Block("p", f"Perplexity and mean KLD on {first_dataset} against bits per weight of the whole checkpoint "
                        "(file bytes x 8 / the original's parameters; embeddings and norms included).")]
 
-    out.append(Block("h2", "Checkpoints"))
+
+def _checkpoints(ckpts: list[dict]) -> list[Block]:
+    out = [Block("h2", "Checkpoints")]
     for c in ckpts[1:]:
         facts = [f"path `{c['path']}`", f"recipe {c.get('recipe') or '-'}"]
         if c.get("overrides"):
             facts.append("overrides " + ", ".join(f"`{o}`" for o in c["overrides"]))
         if c.get("quantize_seconds") is not None:
             facts.append(f"quantized in {c['quantize_seconds']:.0f} s with compute {c.get('compute') or '-'}")
-        out += [Block("p", f"**{display_name(c['model'])}**: " + "; ".join(facts) + "."),
-                Block("p", c["description"] or "")] if c.get("description") else \
-            [Block("p", f"**{display_name(c['model'])}**: " + "; ".join(facts) + ".")]
+        out.append(Block("p", f"**{display_name(c['model'])}**: " + "; ".join(facts) + "."))
+        if c.get("description"):
+            out.append(Block("p", c["description"]))
+    return out
 
-    out.append(Block("h2", "Greedy generations side by side"))
-    out.append(Block("p", f"The same prompts through every model, greedy, {data['max_new_tokens']} new tokens each; "
-                          "'departs at' is the first generated token that differs from the original's."))
+
+def _generations(data: dict) -> list[Block]:
+    out = [Block("h2", "Greedy generations side by side"),
+           Block("p", f"The same prompts through every model, greedy, {data['max_new_tokens']} new tokens each; "
+                      "'departs at' is the first generated token that differs from the original's.")]
     for g in data["generations"]:
         out.append(Block("p", f"Prompt: *{g['prompt']}*"))
         out.append(Block("table", header=("model", "continuation", "departs at"), rows=tuple(

@@ -25,8 +25,6 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
     transformers' GGUF-loaded model refuses `save_pretrained`, so a fresh model is built from
     the config (without the GGUF quantization_config) and given the dequantized state dict.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     from quantkit.atomic import check_output_free
     from quantkit.export import export_checkpoint
 
@@ -35,9 +33,36 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
         raise CheckpointError(f"GGUF file {str(gguf_file)!r} does not exist")
     check_output_free(Path(out), overwrite, protect=[gguf_file])
     try:
-        import gguf
+        import gguf  # noqa: F401  (only to say it is missing before anything is read)
     except ImportError:
         raise CheckpointError("GGUF conversion needs the 'gguf' package: pip install 'quantkit[gguf]'") from None
+    reader, model, tokenizer = _read_gguf(gguf_file, dtype)
+    quantized = {}
+    if keep:
+        from quantkit.gguf.importer import keep_quantized
+
+        quantized, how = keep_quantized(model, reader)
+        notify(f"{gguf_file.name}: linears " + ", ".join(f"{k}: {v}" for k, v in sorted(how.items())))
+    with _tokenizer_dir(tokenizer) as tok_dir:
+        model.generation_config.save_pretrained(tok_dir)
+        marker = {"quantkit_version": __version__, "converted_from": str(gguf_file.resolve()),
+                  "dtype": str(dtype).removeprefix("torch.")}
+        from quantkit.quantization_config import build_quantization_config
+
+        qc = build_quantization_config(model, quantized) if quantized else None
+        export_checkpoint(model, Path(out), storage_dtype=dtype, source=tok_dir, overwrite=overwrite,
+                          quantization_config=qc,
+                          protect=[gguf_file], extra_files={"quantkit.json": json.dumps(marker, indent=2) + "\n"})
+    log.info("converted %s -> %s", gguf_file, out)
+    return Path(out)
+
+
+def _read_gguf(gguf_file: Path, dtype: torch.dtype):
+    """(the GGUF reader, a fresh model in `dtype` holding the file's dequantized tensors, its tokenizer): read by
+    transformers' GGUF support; a tensor it could not place is an error, never a random one kept."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     try:
         reader = gguf.GGUFReader(str(gguf_file))  # its key/values and tensors, read (memory-mapped) once here
         config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
@@ -61,24 +86,7 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.load_state_dict(state, strict=False, assign=False)
     model.tie_weights()
-    quantized = {}
-    if keep:
-        from quantkit.gguf.importer import keep_quantized
-
-        quantized, how = keep_quantized(model, reader)
-        notify(f"{gguf_file.name}: linears " + ", ".join(f"{k}: {v}" for k, v in sorted(how.items())))
-    with _tokenizer_dir(tokenizer) as tok_dir:
-        model.generation_config.save_pretrained(tok_dir)
-        marker = {"quantkit_version": __version__, "converted_from": str(gguf_file.resolve()),
-                  "dtype": str(dtype).removeprefix("torch.")}
-        from quantkit.quantization_config import build_quantization_config
-
-        qc = build_quantization_config(model, quantized) if quantized else None
-        export_checkpoint(model, Path(out), storage_dtype=dtype, source=tok_dir, overwrite=overwrite,
-                          quantization_config=qc,
-                          protect=[gguf_file], extra_files={"quantkit.json": json.dumps(marker, indent=2) + "\n"})
-    log.info("converted %s -> %s", gguf_file, out)
-    return Path(out)
+    return reader, model, tokenizer
 
 
 def _head_dim_from_file(config, reader) -> None:

@@ -238,18 +238,9 @@ def gptq_quantize(
     W may be a list of weights sharing the input (stacked on the output dim, as one matrix): the working
     copy is then filled from them, already in visiting order, so no unpermuted stack is ever made.
     """
-    if isinstance(W, (list, tuple)):
-        W, diag, dead, perm, scale, zp = _stack_permuted(W, H, scheme, scale_dtype, actorder)
-        out_f, n = W.shape
-        static = actorder or scheme.strategy == "channel"
-    else:
-        W, diag, dead = _prepare(W, H, overwrite)
-        out_f, n = W.shape
-        static = actorder or scheme.strategy == "channel"
-        scale, zp = minmax_qparams(W, scheme, scale_dtype) if static else (None, None)  # [out, groups]
-        perm = _order(diag, actorder)
-        if actorder:
-            W = W[:, perm]
+    W, diag, dead, perm, scale, zp = _working_copy(W, H, scheme, scale_dtype, actorder, overwrite)
+    out_f, n = W.shape
+    static = actorder or scheme.strategy == "channel"
     if scale_search and (scheme.grid != "q4_0" or static):
         raise ValueError("scale_search is for the Q4_0 grid, with groups quantized as they are reached (no actorder)")
     if not static:
@@ -260,19 +251,49 @@ def gptq_quantize(
     gsize = n if scheme.strategy == "channel" else scheme.group_size
     if not static:  # keep groups inside one lazy block so their columns are up to date
         block_size = math.ceil(block_size / gsize) * gsize
-    group_of = (perm // gsize).tolist()  # group index of each permuted column
+    round_column = _int_rounder(scheme, scale_dtype, scale, zp, static, (perm // gsize).tolist(), gsize,
+                                diag if scale_search else None, out_f, n, W.device)
+    Qt, row_error = _solve_columns(W, Hinv, block_size, round_column, torch.int8)
+    del W, Hinv  # the working copy and the factor go before the codes are reordered (this was GPTQ's peak)
+    Q = _codes_in_order(Qt, perm if actorder else None)  # [out, in] int8 in the original column order
+    return GPTQResult(QuantizedWeight(Q, scale, zp, scheme), int(dead.sum()),
+                      _solve_error(row_error, diag, perm, dampening_frac, dead))
+
+
+def _working_copy(W, H: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype, actorder: bool,
+                  overwrite: bool):
+    """(the float32 working copy in visiting order, diag(H), dead columns, the visiting order, and the
+    scales / zero points fixed beforehand where they are static, else None) for one weight or a list
+    sharing the input."""
+    if isinstance(W, (list, tuple)):
+        return _stack_permuted(W, H, scheme, scale_dtype, actorder)
+    W, diag, dead = _prepare(W, H, overwrite)
+    static = actorder or scheme.strategy == "channel"
+    scale, zp = minmax_qparams(W, scheme, scale_dtype) if static else (None, None)  # [out, groups]
+    perm = _order(diag, actorder)
+    if actorder:
+        W = W[:, perm]
+    return W, diag, dead, perm, scale, zp
+
+
+def _int_rounder(scheme: QuantScheme, scale_dtype: torch.dtype, scale: torch.Tensor, zp, static: bool,
+                 group_of: list[int], gsize: int, diag: Optional[torch.Tensor], out_f: int, n: int,
+                 device: torch.device):
+    """The solve's column rounding onto the int grid: round_column(j, W1, i, q, deq) writes column j's codes
+    into q and its dequantized values into deq; a group's scales are made (into `scale` / `zp`) as its first
+    column is reached unless `static`. diag: diag(H), for the Q4_0 scale search (None: ggml's plain rule)."""
     if static:  # each group's scales (and zero points) as one float32 row: [groups, out]
         s_rows = scale.float().t().contiguous()
         z_rows = zp.float().t().contiguous() if zp is not None else None
     else:  # filled group by group, as each group's first column is reached
-        s_rows = torch.empty(scheme.group_count(n), out_f, device=W.device)
+        s_rows = torch.empty(scheme.group_count(n), out_f, device=device)
         z_rows = None if zp is None else torch.zeros_like(s_rows)
 
     def round_column(j: int, W1: torch.Tensor, i: int, q: torch.Tensor, deq: torch.Tensor) -> None:
         g = group_of[j]
         if not static and j % gsize == 0:
             _group_qparams(W1[i : i + gsize], g, scheme, scale_dtype, scale, zp, s_rows[g],
-                           None if z_rows is None else z_rows[g], diag[j : j + gsize] if scale_search else None)
+                           None if z_rows is None else z_rows[g], None if diag is None else diag[j : j + gsize])
         w, s = W1[i], s_rows[g]
         torch.div(w, s, out=q)
         if scheme.symmetric:
@@ -283,11 +304,7 @@ def gptq_quantize(
             q.add_(z).round_().clamp_(scheme.qmin, scheme.qmax)
             torch.sub(q, z, out=deq).mul_(s)
 
-    Qt, row_error = _solve_columns(W, Hinv, block_size, round_column, torch.int8)
-    del W, Hinv  # the working copy and the factor go before the codes are reordered (this was GPTQ's peak)
-    Q = _codes_in_order(Qt, perm if actorder else None)  # [out, in] int8 in the original column order
-    return GPTQResult(QuantizedWeight(Q, scale, zp, scheme), int(dead.sum()),
-                      _solve_error(row_error, diag, perm, dampening_frac, dead))
+    return round_column
 
 
 def gptq_quantize_fp8(

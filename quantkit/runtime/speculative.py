@@ -101,6 +101,57 @@ class _LeanDraft:
         return logits[0].float().cpu()
 
 
+class _Rounds:
+    """One round of speculative sampling: the draft proposes k tokens, the target keeps a prefix of them and
+    adds one of its own (a resample where it rejected, else a bonus token), so the output is distributed as
+    the target's alone."""
+
+    def __init__(self, params: SamplingParams, gen: torch.Generator, k: int):
+        self.params, self.gen, self.k = params, gen, k
+
+    def dist(self, logits: torch.Tensor, hist) -> torch.Tensor:
+        return distribution(logits, self.params, hist.seen, hist.counts)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        return int(probs.argmax()) if self.params.greedy else int(torch.multinomial(probs, 1, generator=self.gen))
+
+    def propose(self, drf, seq: list[int], history) -> tuple[list[int], list[torch.Tensor]]:
+        """k draft tokens after `seq`, and the draft's distribution each was drawn from."""
+        hist = history.copy()
+        drafts, qs = [], []
+        logits = drf.last_logits(seq)
+        for i in range(self.k):
+            q = self.dist(logits, hist)
+            d = self.draw(q)
+            drafts.append(d)
+            qs.append(q)
+            hist.add(d)
+            if i < self.k - 1:
+                logits = drf.last_logits(seq + drafts)
+        return drafts, qs
+
+    def verify(self, p_logits: torch.Tensor, drafts: list[int], qs: list[torch.Tensor], history) -> list[int]:
+        """The tokens this round commits: drafts accepted (greedy: equal to the target's choice; sampled: with
+        probability min(1, p/q)), then the target's own token."""
+        hist = history.copy()
+        committed = []
+        for i, d in enumerate(drafts):
+            p, q = self.dist(p_logits[i], hist), qs[i]
+            if self.params.greedy:
+                keep = int(p.argmax()) == d
+            else:
+                keep = float(torch.rand(1, generator=self.gen)) < min(1.0, float(p[d] / q[d])) if q[d] > 0 else False
+            if keep:
+                committed.append(d)
+                hist.add(d)
+                continue
+            residual = (p - q).clamp(min=0)
+            committed.append(self.draw(residual / residual.sum()) if float(residual.sum()) > 0 else self.draw(p))
+            return committed
+        committed.append(self.draw(self.dist(p_logits[len(drafts)], hist)))
+        return committed
+
+
 @torch.no_grad()
 def speculative_generate(target: nn.Module, draft: nn.Module, tokenizer, prompt_ids: list[int], params: SamplingParams,
                          num_draft_tokens: int = 4, on_text: Optional[Callable[[str], None]] = None,
@@ -125,46 +176,11 @@ def speculative_generate(target: nn.Module, draft: nn.Module, tokenizer, prompt_
         else _Model(draft, DynamicCache(config=draft.config))
     stats = SpeculativeStats()
     start = time.perf_counter()
-
-    def dist(logits: torch.Tensor, hist) -> torch.Tensor:
-        return distribution(logits, params, hist.seen, hist.counts)
-
-    def draw(probs: torch.Tensor) -> int:
-        return int(probs.argmax()) if params.greedy else int(torch.multinomial(probs, 1, generator=gen))
-
+    rounds = _Rounds(params, gen, num_draft_tokens)
     while not request.done:
-        # draft k tokens
-        hist = history.copy()
-        drafts, qs = [], []
-        logits = drf.last_logits(seq)
-        for i in range(num_draft_tokens):
-            q = dist(logits, hist)
-            d = draw(q)
-            drafts.append(d)
-            qs.append(q)
-            hist.add(d)
-            if i < num_draft_tokens - 1:
-                logits = drf.last_logits(seq + drafts)
+        drafts, qs = rounds.propose(drf, seq, history)
         # verify in one target forward: the distributions after the last committed token and after each draft
-        p_logits = tgt.logits_from(seq + drafts, len(seq) - 1)
-        hist = history.copy()
-        committed = []
-        for i, d in enumerate(drafts):
-            p = dist(p_logits[i], hist)
-            q = qs[i]
-            if params.greedy:
-                keep = int(p.argmax()) == d
-            else:
-                keep = float(torch.rand(1, generator=gen)) < min(1.0, float(p[d] / q[d])) if q[d] > 0 else False
-            if keep:
-                committed.append(d)
-                hist.add(d)
-                continue
-            residual = (p - q).clamp(min=0)
-            committed.append(draw(residual / residual.sum()) if float(residual.sum()) > 0 else draw(p))
-            break
-        else:
-            committed.append(draw(dist(p_logits[num_draft_tokens], hist)))
+        committed = rounds.verify(tgt.logits_from(seq + drafts, len(seq) - 1), drafts, qs, history)
         stats.rounds += 1
         stats.proposed += num_draft_tokens
         stats.accepted += len(committed) - 1  # drafts kept; the last token is a resample or the bonus
