@@ -31,7 +31,7 @@ def write(out: Path, layers: int, shard_gb: float, tokenizer: Path | None = None
     from transformers import AutoConfig
 
     from quantkit.formats.checkpoint import ShardWriter
-    from quantkit.models.demo import fetch
+    from quantkit.checkpoints.demo import fetch
 
     out.mkdir(parents=True, exist_ok=False)
     config = AutoConfig.for_model("llama", num_hidden_layers=layers, dtype="bfloat16", **SHAPE)
@@ -64,10 +64,10 @@ def write(out: Path, layers: int, shard_gb: float, tokenizer: Path | None = None
 
 def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, out: Path, live: bool,
              device: str) -> None:
-    from quantkit import compute
-    from quantkit.memory import PeakSampler, live_heap_bytes
-    from quantkit.job import quantize as run
-    from quantkit.recipe import load_recipe
+    from quantkit.platform import compute
+    from quantkit.platform.memory import PeakSampler, live_heap_bytes
+    from quantkit.flow.job import quantize as run
+    from quantkit.flow.recipe import load_recipe
 
     recipe = load_recipe(recipe_name, overrides)
     print(compute.machine_summary())

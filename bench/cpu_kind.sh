@@ -27,8 +27,8 @@ mkdir -p "$WORK"
 SECTIONS=("$@")
 [ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(decode matrix peers suite)
 CAP=$("$PY" -c "import torch; print(torch.backends.cpu.get_cpu_capability())")
-FAST_BF16=$("$PY" -c "import torch; from quantkit import compute; print(int(torch.bfloat16 in compute.fast_16bit('cpu')[0]))")
-cpu() { "$PY" -c "from quantkit.compute import machine_summary; print(machine_summary())"; }
+FAST_BF16=$("$PY" -c "import torch; from quantkit.platform import compute; print(int(torch.bfloat16 in compute.fast_16bit('cpu')[0]))")
+cpu() { "$PY" -c "from quantkit.platform.compute import machine_summary; print(machine_summary())"; }
 status=0
 run() { echo "+ $*"; "$@" || { echo "FAILED ($?): $*"; status=1; }; }
 

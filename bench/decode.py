@@ -40,13 +40,13 @@ def main() -> None:
                         "this kind of CPU (the hardware is still this one): AVX2 = float32, automatically.")
     args = parser.parse_args()
     if args.policy_as:
-        from quantkit import compute
+        from quantkit.platform import compute
 
         compute.cpu_features = lambda: compute.CpuFeatures(args.policy_as, True)
 
-    from quantkit import devices
+    from quantkit.platform import devices
     from quantkit.runtime.generate import generate
-    from quantkit.loader import load, load_tokenizer
+    from quantkit.checkpoints.loader import load, load_tokenizer
     from quantkit.runtime.sampling import SamplingParams
     from quantkit.runtime.speculative import speculative_generate
 
@@ -78,7 +78,7 @@ def main() -> None:
             r = fn()
             if run:
                 results[name].append(r)
-    from quantkit import compute
+    from quantkit.platform import compute
 
     print(compute.machine_summary())
     print("; ".join(dict.fromkeys(f"{n}: {m.quantkit_compute.describe()}" for n, m in models.items())))

@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     from safetensors.torch import load_file
 
-    from quantkit import compute
+    from quantkit.platform import compute
     from quantkit.quant.packing import unpack_int32
 
     print(compute.machine_summary())

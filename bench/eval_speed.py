@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--policy-as", choices=["AVX2"])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from quantkit import compute
+    from quantkit.platform import compute
 
     if args.policy_as:
         compute.cpu_features = lambda: compute.CpuFeatures(args.policy_as, True)
@@ -41,7 +41,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from quantkit.eval.compare import prepare
-    from quantkit.models.resolve import resolve_model
+    from quantkit.checkpoints.resolve import resolve_model
 
     print(compute.machine_summary() + (f" (policy as {args.policy_as})" if args.policy_as else ""))
     path = resolve_model(args.model)
@@ -53,7 +53,7 @@ def main() -> None:
     import statistics
 
     from quantkit.eval.compare import score
-    from quantkit.loader import load
+    from quantkit.checkpoints.loader import load
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf.eval()

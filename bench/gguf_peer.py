@@ -39,11 +39,11 @@ def run(cmd: list[str], log: Path) -> float:
 
 def calibration_text(model: Path, out: Path) -> None:
     """quantkit's calibration windows for the recipe, decoded (one per line)."""
-    from quantkit.catalog import adapter_for
+    from quantkit.plugins.catalog import adapter_for
     from quantkit.formats.checkpoint import read_config
-    from quantkit.api import calibration_batches
-    from quantkit.recipe import load_recipe
-    from quantkit.loader import load_tokenizer
+    from quantkit.flow.sources import calibration_batches
+    from quantkit.flow.recipe import load_recipe
+    from quantkit.checkpoints.loader import load_tokenizer
 
     recipe = load_recipe("gptq-q4_0")
     adapter = adapter_for(read_config(model)["model_type"])
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--reuse-llamacpp", action="store_true",
                     help="keep llama.cpp's files (and their times) from an earlier run in --work; all are scored again")
     args = ap.parse_args()
-    from quantkit.models.resolve import resolve_model
+    from quantkit.checkpoints.resolve import resolve_model
 
     L = HOME / "bin"
     if not (L / "llama-perplexity").is_file():

@@ -73,7 +73,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', 
 if '$DEV' != 'cpu':
     assert torch.cuda.is_available(), 'no CUDA device'
     print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**30, 'GiB')
-from quantkit import compute; print(compute.machine_summary())" || { cat "$SUMMARY"; exit 1; }
+from quantkit.platform import compute; print(compute.machine_summary())" || { cat "$SUMMARY"; exit 1; }
 
 if [ "$PART" != steps ]; then
   [ "$PART" = tests ] && TESTS_LIMIT=$DEADLINE || TESTS_LIMIT=200

@@ -19,7 +19,7 @@ print(" ".join(f"{n}=={version(n)}" for n in ("pydantic", "pydantic_core", "anno
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .gpu/whl $pkgs
-model=$("$PY" -c "from quantkit.models.demo import fetch; print(fetch('smollm2-135m'))")
+model=$("$PY" -c "from quantkit.checkpoints.demo import fetch; print(fetch('smollm2-135m'))")
 for f in config.json tokenizer.json tokenizer_config.json generation_config.json chat_template.jinja; do
   if [ -f "$model/$f" ]; then cp "$model/$f" .gpu/smollm2/; fi
 done

@@ -56,7 +56,7 @@ def timed(fn, device: torch.device, budget: float) -> float:
 
 def int4_weight(n: int, k: int, device: torch.device):
     from quantkit.quant.intq import rtn
-    from quantkit.schemes import QuantScheme
+    from quantkit.quant.schemes import QuantScheme
 
     w = torch.randn(n, k, device="cpu") * 0.02
     qw = rtn(w, QuantScheme(num_bits=4, group_size=GROUP), torch.bfloat16)
@@ -171,11 +171,11 @@ def main() -> None:
     parser.add_argument("--peak-gbps", type=float, default=None, help="device peak memory bandwidth (default: known GPUs)")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds of repeated runs per figure")
     parser.add_argument("--dtype", default="auto", help="CPU activation dtype: auto (the machine's fast dtype for a "
-                                                        "bf16 checkpoint, `quantkit.compute`), bfloat16, float32")
+                                                        "bf16 checkpoint, `quantkit.platform.compute`), bfloat16, float32")
     args = parser.parse_args()
     ms = [int(v) for v in args.m.split(",")]
     shapes = [(model, *s) for model in args.shapes.split(",") for s in SHAPES[model]]
-    from quantkit import compute
+    from quantkit.platform import compute
 
     from quantkit.kernels.roofline import read_bandwidth
 

@@ -34,9 +34,9 @@ def main() -> None:
 
     from quantkit.eval.ppl_table import evaluate_one
     from quantkit.calibration.data import load_text
-    from quantkit.models.resolve import resolve_model
-    from quantkit.job import quantize
-    from quantkit.recipe import load_recipe
+    from quantkit.checkpoints.resolve import resolve_model
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     with tempfile.TemporaryDirectory(prefix="quantkit-bench-") as tmp:
@@ -51,7 +51,7 @@ def main() -> None:
         fp8kv = args.kv_cache_dtype == "fp8"
         base_kv1 = evaluate_one(source, text, args.seq_len, args.windows, False, "fp8") if fp8kv else None
         quant = evaluate_one(str(report.output), text, args.seq_len, args.windows, False, "fp8" if fp8kv else None)
-    from quantkit import compute
+    from quantkit.platform import compute
 
     print(compute.machine_summary())
     print(f"model {args.model}  recipe {recipe.name}  overrides {' '.join(args.overrides) or '-'}")

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def cpu_line() -> str:
-    from quantkit.compute import machine_summary
+    from quantkit.platform.compute import machine_summary
 
     return machine_summary()
 
@@ -52,7 +52,7 @@ def setup_env(setup: str) -> dict:
 
 
 def extra_overrides(recipe: str, awq_grid: int) -> list[str]:
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.recipe import load_recipe
 
     if awq_grid and any(s.algorithm == "awq" for s in load_recipe(recipe).stages):
         return [f"stages.awq.args.n_grid={awq_grid}"]
@@ -132,14 +132,14 @@ def main() -> None:
                         help="n_grid for recipes with an awq stage (default: as shipped, 20); fewer is faster")
     args = parser.parse_args()
 
-    from quantkit.models.resolve import resolve_model
-    from quantkit.recipe import available_recipes
+    from quantkit.checkpoints.resolve import resolve_model
+    from quantkit.flow.recipe import available_recipes
 
     recipes = args.recipes.split(",") if args.recipes else sorted(available_recipes())
     policies = args.setups.split(",")
     print(cpu_line(), flush=True)
     for setup in policies:
-        line = subprocess.run([sys.executable, "-c", "from quantkit import compute; import torch; "
+        line = subprocess.run([sys.executable, "-c", "from quantkit.platform import compute; import torch; "
                                "print(compute.machine_summary()); print(compute.choose(torch.bfloat16).describe())"],
                               env=setup_env(setup), capture_output=True, text=True, check=True).stdout.strip()
         print(f"setup {setup}: " + line.replace("\n", "; "), flush=True)

@@ -34,8 +34,8 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[])
     parser.add_argument("--out", type=Path, default=Path("/tmp/resume-bench"))
     args = parser.parse_args()
-    from quantkit import compute
-    from quantkit.resume import run_dir
+    from quantkit.platform import compute
+    from quantkit.flow.resume import run_dir
 
     print(compute.machine_summary())
     args.out.mkdir(parents=True, exist_ok=True)

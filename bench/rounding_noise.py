@@ -41,7 +41,7 @@ def main() -> None:
 
     from quantkit.calibration.data import load_text
     from quantkit.eval.ppl_table import evaluate_one
-    from quantkit.models.resolve import resolve_model
+    from quantkit.checkpoints.resolve import resolve_model
 
     meta = json.loads((args.checkpoint / "quantkit.json").read_text())
     source = resolve_model(meta["source"])

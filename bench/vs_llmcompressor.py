@@ -42,14 +42,14 @@ def main() -> None:
                              "e.g. --variant '' --variant stages.0.args.true_sequential=true")
     args = parser.parse_args()
 
-    from quantkit import compute
+    from quantkit.platform import compute
     from quantkit.calibration.data import load_text
     from quantkit.eval.ppl_table import evaluate_one
-    from quantkit.models.resolve import resolve_model
-    from quantkit.api import calibration_batches
-    from quantkit.job import quantize
-    from quantkit.recipe import load_recipe
-    from quantkit.catalog import needs_bos as family_needs_bos
+    from quantkit.checkpoints.resolve import resolve_model
+    from quantkit.flow.sources import calibration_batches
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
+    from quantkit.plugins.catalog import needs_bos as family_needs_bos
     from quantkit.formats.checkpoint import read_config
 
     source = resolve_model(args.model)

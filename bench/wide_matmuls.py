@@ -58,9 +58,9 @@ def gemm_table(dtype, rows: list[int]) -> None:
 
 
 def quantize_times(model: str, dtype_name: str) -> None:
-    from quantkit import compute
-    from quantkit.job import quantize
-    from quantkit.recipe import load_recipe
+    from quantkit.platform import compute
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
 
     small = ["stages.rtn.scheme.group_size=64", "calibration.num_samples=8", "calibration.seq_len=256",
              "stages.awq.args.search_samples=2", "stages.awq.args.n_grid=10", "stages.awq.args.clip_n_grid=10"]
@@ -89,7 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from quantkit.compute import machine_summary
+    from quantkit.platform.compute import machine_summary
 
     print(machine_summary())
     gemm_table(getattr(torch, args.dtype), [int(r) for r in args.rows.split(",")])

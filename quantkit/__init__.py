@@ -4,10 +4,10 @@ The Python API (`quantkit.api`): `quantize(model_or_path, recipe, ...)` -> (mode
 `save(model, path)`; `load(path)` and `load_tokenizer(path)` for running checkpoints.
 """
 
-from quantkit import allocator
+from quantkit.platform import allocator
 from quantkit.version import __version__
 
-allocator.request_huge_pages()  # before torch's first allocation (quantkit.allocator)
+allocator.request_huge_pages()  # before torch's first allocation (quantkit.platform.allocator)
 
 __all__ = ["quantize", "save", "load", "load_tokenizer", "__version__"]
 
@@ -15,7 +15,7 @@ __all__ = ["quantize", "save", "load", "load_tokenizer", "__version__"]
 def __getattr__(name: str):
     # lazy, so that `quantkit --help` does not import torch and transformers
     if name in ("load", "load_tokenizer"):
-        from quantkit import loader
+        from quantkit.checkpoints import loader
 
         return getattr(loader, name)
     if name in ("quantize", "save"):

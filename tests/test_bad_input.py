@@ -259,7 +259,7 @@ def test_a_bad_second_model_fails_before_the_first_is_scored(tiny_llama, tmp_pat
 
 
 def test_generation_options_fail_before_the_model_loads(tiny_llama, monkeypatch):
-    import quantkit.loader as loader
+    import quantkit.checkpoints.loader as loader
 
     monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded before the options were checked"))
     res = run("generate", tiny_llama, "hi", "--stop", "")
@@ -328,7 +328,7 @@ def test_recipe_yaml_states_the_overrides(tiny_llama, tmp_path):
     text = (tmp_path / "q" / "recipe.yaml").read_text()
     assert text.startswith("# recipe rtn-w4a16 with these overrides applied:\n# --set stages.0.scheme.group_size=32\n")
     assert json.loads((tmp_path / "q" / "quantkit.json").read_text())["overrides"] == ["stages.0.scheme.group_size=32"]
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.recipe import load_recipe
 
     assert load_recipe(str(tmp_path / "q" / "recipe.yaml")).stages[0].scheme.group_size == 32  # still a recipe
 
@@ -413,7 +413,7 @@ def test_immutable_directory_fails_before_the_work(tiny_llama, tmp_path):
 KILLED_EXPORT = """
 import os, signal, sys
 from pathlib import Path
-from quantkit.atomic import atomic_output_dir
+from quantkit.checkpoints.atomic import atomic_output_dir
 with atomic_output_dir(Path(sys.argv[1])) as tmp:
     (tmp / "model.safetensors").write_bytes(b"x" * 100000)
     os.kill(os.getpid(), getattr(signal, sys.argv[2]))
@@ -454,7 +454,7 @@ def test_main_in_another_program_leaves_its_sigterm_alone(tiny_llama):
 
 
 def test_clean_lists_removes_and_leaves_running_ones(tmp_path):
-    from quantkit.atomic import WORK_MARKER, atomic_output_dir
+    from quantkit.checkpoints.atomic import WORK_MARKER, atomic_output_dir
 
     _killed_export(tmp_path / "a", "SIGKILL")
     (tmp_path / "notes.tmp-keep").mkdir()  # not hidden: not ours
@@ -471,7 +471,7 @@ def test_clean_lists_removes_and_leaves_running_ones(tmp_path):
 
 
 def test_a_replaced_output_stranded_by_a_crash_is_restored(tmp_path):
-    from quantkit.atomic import WORK_MARKER
+    from quantkit.checkpoints.atomic import WORK_MARKER
 
     old = tmp_path / ".q.old-abc123"
     (old / "previous").mkdir(parents=True)

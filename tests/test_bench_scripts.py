@@ -102,7 +102,7 @@ def test_decode_bench_runs_on_the_device_asked_for(tiny_llama, monkeypatch, caps
     assert "GB/s on cpu" in out and "| quantkit " in out and "| transformers generate " in out
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setattr(sys, "argv", run + ["--device", "cuda"])
-    from quantkit.devices import DeviceError
+    from quantkit.platform.devices import DeviceError
 
     with pytest.raises(DeviceError, match="--device cuda"):
         decode.main()

@@ -1,4 +1,4 @@
-"""The compute-dtype policy (`quantkit.compute`) for each CPU torch can report, CUDA, and the overrides."""
+"""The compute-dtype policy (`quantkit.platform.compute`) for each CPU torch can report, CUDA, and the overrides."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from quantkit import compute
-from quantkit.compute import ComputeDtypeError, CpuFeatures, choose
+from quantkit.platform import compute
+from quantkit.platform.compute import ComputeDtypeError, CpuFeatures, choose
 
 AVX2 = CpuFeatures("AVX2", x86=True)
 AVX512 = CpuFeatures("AVX512", x86=True)
@@ -148,7 +148,7 @@ def test_this_machine_gets_a_consistent_answer(monkeypatch):
 
 
 def test_load_uses_the_policy_and_records_it(tiny_llama, monkeypatch):
-    from quantkit.loader import load
+    from quantkit.checkpoints.loader import load
 
     monkeypatch.setenv(compute.ENV, "float32")
     model = load(tiny_llama)  # a bf16 checkpoint
@@ -161,8 +161,8 @@ def test_load_uses_the_policy_and_records_it(tiny_llama, monkeypatch):
 def test_quantize_records_the_choice(tiny_llama, tmp_path, monkeypatch):
     import json
 
-    from quantkit.job import quantize
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
 
     monkeypatch.setenv(compute.ENV, "float32")
     lines = []
@@ -216,7 +216,7 @@ def test_the_probe_cache_keeps_limited_environments_apart(monkeypatch):
 
 
 def test_an_unknown_workload_is_an_error(tiny_llama):
-    from quantkit.loader import load
+    from quantkit.checkpoints.loader import load
 
     with pytest.raises(ValueError, match="workload 'train': use one of batch, decode"):
         load(tiny_llama, workload="train")
@@ -268,7 +268,8 @@ def test_the_lean_step_runs_16_bit_gemvs_by_the_probed_implementation(monkeypatc
 
 
 def test_float32_fit_is_judged_from_the_headers(tiny_llama, monkeypatch):
-    from quantkit import loader, memory
+    from quantkit.checkpoints import loader
+    from quantkit.platform import memory
     from quantkit.formats.lazy import LazyCheckpoint
 
     floats = sum(n for n in (_numel(LazyCheckpoint(tiny_llama).info(k)[1]) for k in LazyCheckpoint(tiny_llama).keys()))
@@ -308,7 +309,8 @@ def test_a_16_bit_model_too_large_for_float32_stays_16_bit_where_the_cpu_is_slow
 
 
 def test_the_loader_keeps_a_model_16_bit_that_fits_only_as_stored(tiny_llama, monkeypatch):
-    from quantkit import loader, memory
+    from quantkit.checkpoints import loader
+    from quantkit.platform import memory
     from quantkit.formats.lazy import LazyCheckpoint
 
     ckpt = LazyCheckpoint(tiny_llama)

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 import quantkit
-from quantkit import compute
+from quantkit.platform import compute
 from quantkit.qmodules.int_linear import PackedIntLinear
 from quantkit.runtime import decode_plan
 from quantkit.runtime.decode_plan import CHUNK_TOKENS, Candidate, KindInfo, LayerKind, Route
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 from helpers import sample_ids
 
@@ -193,8 +193,8 @@ def test_the_real_timer_measures_a_same_kind_module_by_each_route():
 
 @pytest.fixture
 def w4_checkpoint(tiny_llama, tmp_path_factory):
-    from quantkit.job import quantize
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
 
     out = tmp_path_factory.mktemp("w4") / "q"
     return quantize(str(tiny_llama), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]), out,
@@ -232,7 +232,7 @@ def test_a_dtype_asked_for_keeps_its_dtype_and_exact_kernels(w4_checkpoint, monk
 
 
 def test_a_model_too_big_for_float32_is_planned_in_its_own_dtype_only(w4_checkpoint, monkeypatch):
-    from quantkit import loader
+    from quantkit.checkpoints import loader
 
     monkeypatch.delenv(compute.ENV, raising=False)
     monkeypatch.setattr(loader, "_fits_in_float32", lambda path: False)

@@ -1,4 +1,4 @@
-"""`--device` (quantkit.devices): resolving auto|cpu|cuda[:N]|mps, errors for devices that are missing,
+"""`--device` (quantkit.platform.devices): resolving auto|cpu|cuda[:N]|mps, errors for devices that are missing,
 and a pipeline that makes every tensor on its inputs' device (so a layer sent to CUDA computes there).
 
 Without a GPU the CUDA runs skip; `bench/gpu.sh` runs them where the device tool lends one."""
@@ -12,12 +12,12 @@ import torch
 from click.testing import CliRunner
 
 import quantkit
-import quantkit.job as quantize_job
-from quantkit import devices
+import quantkit.flow.job as quantize_job
+from quantkit.platform import devices
 from quantkit.cli import main
-from quantkit.devices import DeviceError, resolve, to_device
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
+from quantkit.platform.devices import DeviceError, resolve, to_device
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
 
 HAS_CUDA = torch.cuda.is_available()
 SMALL = ["calibration.num_samples=4", "calibration.seq_len=32", "calibration.batch_size=2"]
@@ -100,7 +100,10 @@ def test_pipeline_makes_tensors_on_its_inputs_device(arch, recipe, tiny_models, 
 
     plain = quantize(str(tiny_models[arch]), load_recipe(recipe, RECIPES[recipe]), tmp_path / "plain", progress=False,
                      device="cpu")
+    import quantkit.flow.write as write_mod
+
     monkeypatch.setattr(quantize_job, "quantize_model", on_meta_by_default)
+    monkeypatch.setattr(write_mod, "quantize_model", on_meta_by_default)  # the layer-by-layer run's pipeline
     probed = quantize(str(tiny_models[arch]), load_recipe(recipe, RECIPES[recipe]), tmp_path / "probed", progress=False,
                       device="cpu")
     for f in sorted(plain.output.glob("*.safetensors")):

@@ -26,9 +26,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from quantkit.distributed import World, owner_of
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
+from quantkit.calibration.distributed import World, owner_of
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
 
 # under pytest-xdist (make test) the module runs on one worker: its torchrun outputs (module fixtures) are
 # made once, and two torchrun runs of 2 ranks each never share the 2 cores with each other
@@ -136,7 +136,7 @@ def test_two_ranks_match_one_process(key, tiny_llama, single, two_ranks):
     assert same / total >= 0.99, f"{same / total:.4%} of the codes equal"
     from quantkit.calibration.data import load_text, tokenize
     from quantkit.eval.ppl import perplexity
-    from quantkit.loader import load, load_tokenizer
+    from quantkit.checkpoints.loader import load, load_tokenizer
 
     ids = tokenize(load_tokenizer(one), load_text("emma")[:20000])
     p1 = perplexity(load(one, dtype=torch.float32), ids, 64, 8).ppl
@@ -162,7 +162,7 @@ def _rank1_script(rank1_action: str, args: list[str]) -> str:
     group's collectives done)."""
     return f"""
 import os, signal, sys, time
-from quantkit import pipeline
+from quantkit.flow import pipeline
 real = pipeline.run_layer
 def run_layer(*a, **k):
     if os.environ["RANK"] == "1":
@@ -200,7 +200,7 @@ def test_a_killed_rank_fails_the_run_fast_and_is_named(tiny_llama, tmp_path):
 
 
 def test_distributed_refuses_resume(tiny_llama, tmp_path, monkeypatch):
-    from quantkit.distributed import DistributedError
+    from quantkit.calibration.distributed import DistributedError
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: refused before any process group is made
     with pytest.raises(DistributedError, match="not supported in distributed runs"):

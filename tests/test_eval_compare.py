@@ -17,8 +17,8 @@ from quantkit.eval import compare as compare_mod
 from quantkit.eval.compare import evaluate, find_original, window_count
 from quantkit.eval.divergence import Tally, kl_divergence, log_probs, percentile, token_nll, top1_same
 from quantkit.eval.ppl import perplexity, windows
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
 
 
 def run(*args):
@@ -196,7 +196,7 @@ def test_find_original():
 # ---- bad input: refused before any weights are read ---------------------------------------------
 
 def test_bad_comparisons_are_refused_early(tiny_llama, rtn_llama, tmp_path, texts, tokenizer, monkeypatch):
-    import quantkit.loader as loader
+    import quantkit.checkpoints.loader as loader
 
     monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("weights read before the checks"))
     with pytest.raises(CheckpointError, match="same model"):

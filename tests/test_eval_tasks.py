@@ -133,7 +133,7 @@ def test_cli_runs_the_shipped_tasks_offline(tiny_llama, tmp_path):
 def test_an_unknown_task_is_refused_before_the_model_loads(tiny_llama, monkeypatch):
     import lm_eval.tasks
 
-    import quantkit.loader as loader
+    import quantkit.checkpoints.loader as loader
 
     class Index:  # lm-eval's own index of ~15k tasks takes seconds to build: a stand-in with one
         def __init__(self, **kwargs):

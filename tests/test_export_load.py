@@ -10,10 +10,10 @@ from safetensors import safe_open
 
 import quantkit
 from quantkit.errors import CheckpointError, ModelNotFoundError, OutputExistsError
-from quantkit.quantization_config import build_quantization_config
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
-from quantkit.export import export_checkpoint
+from quantkit.checkpoints.quantization_config import build_quantization_config
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
+from quantkit.checkpoints.export import export_checkpoint
 
 from helpers import quantize_in_memory, sample_ids
 
@@ -102,7 +102,7 @@ def test_existing_output_is_not_overwritten(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, OSError])
 def test_interrupted_export_leaves_nothing(tiny_llama, tmp_path, monkeypatch, exc_type):
-    import quantkit.export as export_mod
+    import quantkit.checkpoints.export as export_mod
 
     def boom(*a, **k):
         raise exc_type("interrupted while writing")
@@ -121,7 +121,7 @@ def test_interrupted_overwrite_keeps_previous_output(tiny_llama, tmp_path, monke
     out = tmp_path / "q"
     quantize(str(tiny_llama), load_recipe("rtn-w4a16", W4_32), out, progress=False)
     before = (out / "model.safetensors").read_bytes()
-    import quantkit.export as export_mod
+    import quantkit.checkpoints.export as export_mod
 
     monkeypatch.setattr(export_mod, "write_json", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):

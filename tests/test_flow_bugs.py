@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.distributed import DistributedError
-from quantkit.recipe import load_recipe
+from quantkit.calibration.distributed import DistributedError
+from quantkit.flow.recipe import load_recipe
 
 from helpers import sample_ids
 
@@ -22,7 +22,7 @@ def test_overrides_on_a_recipe_object_mean_what_they_mean_on_its_name(item):
     """Overrides went through the fully resolved dump: preset=W8A16 was ignored, strategy=channel raised."""
     by_object = load_recipe("rtn-w4a16").with_overrides([item])
     by_name = load_recipe("rtn-w4a16", [item])
-    assert by_object.plan[0].scheme == by_name.plan[0].scheme
+    assert by_object.resolved[0].scheme == by_name.resolved[0].scheme
     assert by_object.calibration == by_name.calibration and by_object.overrides == [item]
     twice = load_recipe("rtn-w4a16", ["calibration.seq_len=128"]).with_overrides([item])
     assert twice.overrides == ["calibration.seq_len=128", item] and twice.calibration.seq_len == 128
@@ -57,7 +57,7 @@ def test_saved_provenance_names_the_data_given_to_quantize(tiny_llama, tokenizer
 @pytest.mark.parametrize("asked", ["cuda:1", "cuda:0"])
 def test_an_explicit_gpu_index_under_torchrun_is_refused_on_every_rank(asked):
     """It was replaced by LOCAL_RANK's GPU without a word."""
-    from quantkit.job import rank_device
+    from quantkit.flow.job import rank_device
 
     for rank in (0, 1):
         with pytest.raises(DistributedError, match=f"--device {asked} in a distributed run.*CUDA_VISIBLE_DEVICES"):
@@ -78,7 +78,7 @@ def test_a_model_on_a_gpu_is_calibrated_and_left_there(tiny_llama, tokenizer):
 def test_calibration_runs_on_the_models_device_and_layers_go_back_home(tiny_llama, tokenizer, monkeypatch):
     """Without a GPU: the pipeline returns each layer to where it was (here the CPU, calibrated on the CPU too),
     and capture feeds the ids on the embedding's device."""
-    from quantkit import pipeline
+    from quantkit.flow import pipeline
     from quantkit.calibration import capture
 
     assert pipeline._device_of(torch.nn.Linear(2, 2)) == torch.device("cpu")

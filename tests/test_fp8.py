@@ -13,13 +13,13 @@ from quantkit.errors import CheckpointError, RecipeError
 from quantkit.kernels.reference import fp8_quantize_per_token
 from quantkit.quant.fp8 import (FP8_MAX, TINY, dequantize_weight, fake_quantize, mse_scale, quantize_weight,
                                 scale_from_absmax, to_fp8)
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
 from quantkit.qmodules.fp8_linear import Fp8Linear
 from quantkit.qmodules.kv import KVObserver
 from quantkit.runtime.kv_cache import Fp8KVCache, kv_scales
-from quantkit.schemes import QuantScheme, resolve_scheme
-from quantkit.transformers_compat import cache_kwargs
+from quantkit.quant.schemes import QuantScheme, resolve_scheme
+from quantkit.platform.transformers_compat import cache_kwargs
 
 from helpers import quantize_in_memory, sample_ids
 
@@ -139,7 +139,7 @@ def test_fp8_kv_cache_stores_values_on_the_fp8_grid():
 # -- through the pipeline, the format and the runner ------------------------------------------------
 
 def test_fp8_dynamic_needs_no_calibration_data(tiny_llama, tmp_path, monkeypatch):
-    import quantkit.job as qmod
+    import quantkit.flow.job as qmod
 
     def no_data(*args, **kwargs):
         raise AssertionError("fp8-dynamic must not load calibration data")
@@ -413,7 +413,7 @@ def test_bad_fp8_input_is_rejected(tiny_llama, tmp_path):
         QuantScheme(num_bits=8, type="float", strategy="group", group_size=None)
     with pytest.raises(ValueError, match="activation quantization is FP8 only"):
         QuantScheme(num_bits=4, input_activations={"strategy": "token"})
-    from quantkit.quantization_config import parse_quantization_config
+    from quantkit.checkpoints.quantization_config import parse_quantization_config
 
     qc = {"quant_method": "compressed-tensors", "config_groups": {"g": {
         "format": "float-quantized", "targets": ["Linear"],

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
 from quantkit.runtime.detokenize import IncrementalDetokenizer
 from quantkit.runtime import lean_decode
 from quantkit.runtime.generate import generate, generate_batch
@@ -16,7 +16,7 @@ from quantkit.runtime.sampling import (SamplingParams, TokenHistory, apply_min_p
                                        apply_repetition_penalty, apply_top_k, apply_top_p, processed_logits, sample)
 from quantkit.runtime.speculative import speculative_generate
 from quantkit.runtime.stopping import StopStringMatcher
-from quantkit.transformers_compat import cache_kwargs
+from quantkit.platform.transformers_compat import cache_kwargs
 
 from helpers import sample_ids
 

@@ -21,13 +21,13 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from quantkit.errors import CheckpointError, OutputExistsError  # noqa: E402
 from quantkit.gguf import grids, mixture  # noqa: E402
 from quantkit.quant import ggml_blocks as blocks  # noqa: E402
-from quantkit.gguf.export import export_gguf  # noqa: E402
+from quantkit.checkpoints.to_gguf import export_gguf  # noqa: E402
 from quantkit.gguf.metadata import row_order  # noqa: E402
 from quantkit.quant.intq import compute_qparams, rtn  # noqa: E402
-from quantkit.job import quantize  # noqa: E402
-from quantkit.recipe import load_recipe  # noqa: E402
-from quantkit.loader import load  # noqa: E402
-from quantkit.schemes import PRESETS, QuantScheme, resolve_scheme  # noqa: E402
+from quantkit.flow.job import quantize  # noqa: E402
+from quantkit.flow.recipe import load_recipe  # noqa: E402
+from quantkit.checkpoints.loader import load  # noqa: E402
+from quantkit.quant.schemes import PRESETS, QuantScheme, resolve_scheme  # noqa: E402
 
 from conftest import make_tiny_model  # noqa: E402
 
@@ -294,7 +294,7 @@ def test_q8_0_export_and_round_trip(gguf_models, tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_import_keeps_q4_0_exact_and_exports_back_byte_for_byte(gguf_models, tmp_path, arch):
-    from quantkit.models.gguf import convert_gguf
+    from quantkit.checkpoints.from_gguf import convert_gguf
 
     _, ckpt, path = gguf_models[arch]
     back = convert_gguf(path, tmp_path / "imported")
@@ -318,7 +318,7 @@ def test_import_keeps_q4_0_exact_and_exports_back_byte_for_byte(gguf_models, tmp
 def test_demo_fetch_dequantizes_everything(gguf_models, tmp_path, monkeypatch):
     """A demo model is a float original (recipes refuse quantized sources): a fetched GGUF's Q4_0 / Q8_0
     linears are dequantized, not kept."""
-    from quantkit.models import demo
+    from quantkit.checkpoints import demo
 
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
     name = next(iter(demo.DEMO_MODELS))
@@ -337,7 +337,7 @@ def test_two_processes_fetching_one_demo_model_fetch_it_once(gguf_models, tmp_pa
     import threading
     import time
 
-    from quantkit.models import demo
+    from quantkit.checkpoints import demo
 
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
     name = next(iter(demo.DEMO_MODELS))
@@ -369,7 +369,7 @@ def test_two_processes_fetching_one_demo_model_fetch_it_once(gguf_models, tmp_pa
 
 
 def test_gguf_file_is_a_model_argument(gguf_models, tmp_path, monkeypatch):
-    from quantkit.models.resolve import resolve_model
+    from quantkit.checkpoints.resolve import resolve_model
 
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
     path = gguf_models["qwen3"][2]
@@ -505,7 +505,7 @@ def test_metadata_as_llama_cpp_converter_writes_it(tmp_path):
     name fields and the file type, is in quantkit's file with the same value."""
     import sys
 
-    from quantkit.models.resolve import resolve_model
+    from quantkit.checkpoints.resolve import resolve_model
 
     try:
         src = resolve_model("smollm2-135m")

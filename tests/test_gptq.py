@@ -12,7 +12,7 @@ from quantkit.quant.fp8 import expanded_scale, quantize_weight
 from quantkit.quant.gptq import HessianError, gptq_quantize, gptq_quantize_fp8, hessian_error, inverse_hessian_factor
 from quantkit.quant.hessian import HessianAccumulator
 from quantkit.quant.intq import quantize, rtn
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 from helpers import quantize_in_memory, sample_ids
 
@@ -182,8 +182,8 @@ def test_inverse_hessian_factor_is_the_upper_cholesky_of_the_inverse():
                           "stages.0.args.mse_samples=1024"]),  # fewer kept than seen: subsampled
 ])
 def test_pipeline_gptq_round_trip_and_shared_hessians(recipe, overrides, tiny_models, tokenizer, tmp_path):
-    from quantkit.export import export_checkpoint
-    from quantkit.quantization_config import build_quantization_config
+    from quantkit.checkpoints.export import export_checkpoint
+    from quantkit.checkpoints.quantization_config import build_quantization_config
 
     src = tiny_models["qwen3"]
     batches = [sample_ids(tokenizer, 2, 24), sample_ids(tokenizer, 2, 24)]
@@ -205,8 +205,8 @@ def test_pipeline_gptq_round_trip_and_shared_hessians(recipe, overrides, tiny_mo
 def test_actorder_is_written_to_the_checkpoint(tiny_llama, tokenizer, tmp_path):
     import json
 
-    from quantkit.job import quantize as run_quantize
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.job import quantize as run_quantize
+    from quantkit.flow.recipe import load_recipe
 
     recipe = load_recipe("gptq-w4a16", ["stages.0.scheme.group_size=32", "stages.0.scheme.actorder=static",
                                         "calibration.num_samples=4", "calibration.seq_len=32"])
@@ -231,7 +231,7 @@ def test_take_hessian_equals_hessian_in_the_accumulators_memory(n):
 
 
 def test_parked_tensor_reads_back_its_bytes_and_leaves_no_file(tmp_path):
-    from quantkit.parking import Parked
+    from quantkit.platform.parking import Parked
 
     t = torch.randn(37, 53, generator=torch.Generator().manual_seed(7))
     p = Parked(t, directory=str(tmp_path))
@@ -247,7 +247,7 @@ def test_parked_tensor_reads_back_its_bytes_and_leaves_no_file(tmp_path):
 
 @pytest.mark.parametrize("perm", [False, True])
 def test_inverse_hessian_factor_from_a_parked_hessian_is_bit_identical(perm, monkeypatch):
-    from quantkit.parking import Parked
+    from quantkit.platform.parking import Parked
     from quantkit.quant import gptq
 
     monkeypatch.setattr(gptq, "COPY_ROWS", 40)  # several row blocks, the last one short
@@ -261,9 +261,9 @@ def test_inverse_hessian_factor_from_a_parked_hessian_is_bit_identical(perm, mon
 
 
 def test_every_solver_gives_the_same_weights_from_a_parked_hessian():
-    from quantkit.parking import Parked
+    from quantkit.platform.parking import Parked
     from quantkit.quant.gptq import gptq_quantize_ggml
-    from quantkit.schemes import resolve_scheme
+    from quantkit.quant.schemes import resolve_scheme
 
     W, H = _problem(out=32, n=256)
     for scheme in (SCHEMES[0], SCHEMES[2]):  # in order, act-order
@@ -283,9 +283,9 @@ PARKING = """
 import json
 import torch
 from quantkit.algorithms.gptq import GPTQ, GPTQConfig, _rows
-from quantkit.memory import PeakSampler, live_heap_bytes
+from quantkit.platform.memory import PeakSampler, live_heap_bytes
 from quantkit.quant.hessian import HessianAccumulator
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 from test_gptq import _problem
 
 n = 3072
@@ -310,7 +310,7 @@ print(json.dumps({"peaks": peaks, "same": same, "parked": str(hbytes)}))
 """
 
 
-@pytest.mark.skipif(__import__("quantkit.memory").memory.live_heap_bytes() is None,
+@pytest.mark.skipif(__import__("quantkit.platform.memory").platform.memory.live_heap_bytes() is None,
                     reason="glibc's mallinfo2 is needed to count live bytes")
 def test_parking_the_hessian_halves_the_solve_peak_and_changes_nothing():
     """A Hessian above `park_hessian_bytes` waits on disk during its group's solve: live heap bytes at the
@@ -386,7 +386,7 @@ def test_every_solver_tallies_the_error_it_leaves():
     the damped Hessian the error is |e|^2, and the report's undamped one that less damp |W - W_hat|^2 (dead
     columns count nothing). Checked against the direct trace for every solver, stacked, in and out of order."""
     from quantkit.quant.gptq import gptq_quantize_ggml
-    from quantkit.schemes import resolve_scheme
+    from quantkit.quant.schemes import resolve_scheme
 
     W, H = _problem(out=48, n=256)
     H[7, :] = 0  # a dead column
@@ -414,7 +414,7 @@ def test_quantized_weights_dequantize_any_slice_of_rows_as_the_whole_does():
     """The error sums dequantize a slice of rows at a time (no whole float32 copy at the layer's peak): every
     weight type's rows, at any start and stop (an FP8 block's rows included), are those of the whole."""
     from quantkit.quant.ggml import nearest as ggml_nearest
-    from quantkit.schemes import resolve_scheme
+    from quantkit.quant.schemes import resolve_scheme
 
     W = torch.randn(300, 256, generator=torch.Generator().manual_seed(3))
     weights = {f"{i} {s.short()}": rtn(W, s, torch.bfloat16) for i, s in enumerate(SCHEMES)}

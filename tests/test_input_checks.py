@@ -51,7 +51,7 @@ def refused(res, *fragments: str) -> None:
     ("many", "is not a number"),
 ])
 def test_eval_tasks_limit_is_a_fraction_or_a_count(tiny_llama, limit, words, monkeypatch):
-    from quantkit import loader
+    from quantkit.checkpoints import loader
 
     monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded before --limit was checked"))
     refused(run("eval", "tasks", tiny_llama, "--tasks", "austen", "--limit", limit), "--limit", words)
@@ -60,7 +60,7 @@ def test_eval_tasks_limit_is_a_fraction_or_a_count(tiny_llama, limit, words, mon
 @pytest.mark.parametrize("option", ["--presence-penalty", "--frequency-penalty"])
 def test_additive_penalties_stay_in_openais_range(tiny_llama, option, monkeypatch):
     """A penalty of 1e308 ended a generation after two tokens as a normal stop (exit 0)."""
-    from quantkit import loader
+    from quantkit.checkpoints import loader
 
     monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded before the option was checked"))
     refused(run("generate", tiny_llama, "hi", option, "1e308"), option, "-2<=x<=2")
@@ -117,7 +117,7 @@ def test_calibration_longer_than_the_context_is_refused(tiny_llama, tmp_path, to
 
 
 def test_eval_tasks_max_length_past_the_context_is_refused(tiny_llama, monkeypatch):
-    from quantkit import loader
+    from quantkit.checkpoints import loader
 
     monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded before --max-length was checked"))
     refused(run("eval", "tasks", tiny_llama, "--tasks", "austen", "--max-length", "4096"),
@@ -150,8 +150,8 @@ def test_generate_refuses_nan_in_a_checkpoint(w4_checkpoint, tmp_path, key):
 
 def test_inf_in_an_fp8_scale_is_refused_naming_it(tiny_llama, tmp_path):
     """Ours: an FP8 checkpoint whose weight_scale holds Inf (eval would have printed a NaN row)."""
-    from quantkit.job import quantize
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
 
     out = quantize(str(tiny_llama), load_recipe("fp8-dynamic"), tmp_path / "fp8", progress=False).output
     tensors = load_file(out / "model.safetensors")
@@ -214,7 +214,7 @@ def test_a_draft_that_does_not_share_the_tokenizer_is_refused_before_loading(tin
                                                                             monkeypatch, which):
     """Reported: the right message for another vocabulary, but as a traceback after the prompt was echoed. Ours:
     the same vocabulary size with other ids."""
-    from quantkit import loader
+    from quantkit.checkpoints import loader
 
     draft = tiny_models["qwen3"] if which == "vocabulary" else _retokenized(tiny_llama, tmp_path, swap=True)
     if which == "vocabulary":
@@ -307,7 +307,7 @@ def test_clean_names_a_mistyped_directory(tmp_path):
 
 
 def test_a_failed_cache_fill_leaves_no_lock_file(tmp_path):
-    from quantkit.paths import cache_entry_lock
+    from quantkit.platform.paths import cache_entry_lock
 
     entry = tmp_path / "entry"
     with pytest.raises(RuntimeError):
@@ -321,8 +321,8 @@ def test_a_failed_cache_fill_leaves_no_lock_file(tmp_path):
 
 @pytest.fixture
 def w4_checkpoint(tiny_llama, tmp_path_factory):
-    from quantkit.job import quantize
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
 
     out = tmp_path_factory.mktemp("w4") / "q"
     return quantize(str(tiny_llama), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]), out,

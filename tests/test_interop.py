@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 import quantkit
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
 
 from helpers import sample_ids
 

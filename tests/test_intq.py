@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quantkit.quant.intq import dequantize, minmax_qparams, quantize, rtn, sqnr_db
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 SYM4_CH = QuantScheme(num_bits=4, symmetric=True, strategy="channel", group_size=None)
 ASYM4_CH = QuantScheme(num_bits=4, symmetric=False, strategy="channel", group_size=None)

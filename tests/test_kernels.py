@@ -17,7 +17,7 @@ from quantkit.kernels.select import choose_int_kernel, use_kernel
 from quantkit.quant.intq import QuantizedWeight
 from quantkit.quant.packing import pack_int32
 from quantkit.qmodules.int_linear import PackedIntLinear
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -73,9 +73,9 @@ def test_the_loader_never_narrows_int4_activations_for_the_batch_workload(tiny_m
     """float32 chosen by the policy (as on an AVX2 CPU) or asked for: W4A16 layers run the op in float32, exactly
     as the model computes (until 2026-12-05 the policy's float32 let them round activations to bf16 unsaid)."""
     import quantkit
-    from quantkit import compute
-    from quantkit.job import quantize
-    from quantkit.recipe import load_recipe
+    from quantkit.platform import compute
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
     from quantkit.qmodules.int_linear import PackedIntLinear
 
     out = quantize(str(tiny_models["llama"]), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=32"]),

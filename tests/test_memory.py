@@ -1,11 +1,11 @@
-"""quantkit.memory: glibc's malloc_trim where it exists (a no-op elsewhere), and what the peak sampler reads."""
+"""quantkit.platform.memory: glibc's malloc_trim where it exists (a no-op elsewhere), and what the peak sampler reads."""
 
 import platform
 import sys
 
 import pytest
 
-from quantkit.memory import release_free_memory
+from quantkit.platform.memory import release_free_memory
 
 
 def test_release_free_memory_uses_glibc_where_present():
@@ -31,7 +31,7 @@ def test_the_peak_sampler_says_how_much_of_the_peak_was_file_backed(tmp_path):
 
     import numpy as np
 
-    from quantkit.memory import PeakSampler
+    from quantkit.platform.memory import PeakSampler
 
     path = tmp_path / "pages.bin"
     path.write_bytes(b"\1" * (64 << 20))

@@ -5,9 +5,9 @@ import torch
 from safetensors import safe_open
 
 import quantkit
-from quantkit.catalog import adapter_for
+from quantkit.plugins.catalog import adapter_for
 from quantkit.arch.moe import LinearExperts, all_experts_see_tokens
-from quantkit.smoothing import fold_scales, repeated_heads_index
+from quantkit.quant.smoothing import fold_scales, repeated_heads_index
 
 from helpers import quantize_in_memory, sample_ids
 
@@ -37,8 +37,8 @@ def _save_tiny_moe(path, tokenizer, model_type: str, **config_kw):
 
 def _quantize_export_reload(source, recipe, tokenizer, out, batches):
     """Quantize in memory, export, reload: (result, saved tensor names, logits before, logits after reload)."""
-    from quantkit.export import export_checkpoint
-    from quantkit.quantization_config import build_quantization_config
+    from quantkit.checkpoints.export import export_checkpoint
+    from quantkit.checkpoints.quantization_config import build_quantization_config
 
     stage = 1 if recipe.startswith("awq") else 0
     model, _, result, storage, _ = quantize_in_memory(source, recipe, [f"stages.{stage}.scheme.group_size=32"], batches)

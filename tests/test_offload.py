@@ -15,11 +15,11 @@ import quantkit
 from quantkit.cli import main
 from quantkit.errors import CheckpointError
 from quantkit.eval.ppl import perplexity
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
 from quantkit.runtime import offload
 from quantkit.runtime.generate import generate
-from quantkit.loader import load_tokenizer
+from quantkit.checkpoints.loader import load_tokenizer
 from quantkit.runtime.sampling import SamplingParams
 
 from helpers import sample_ids
@@ -103,7 +103,7 @@ def test_auto_offloads_only_what_does_not_fit():
 
 
 def test_a_bad_offload_mode_is_refused_before_the_model_is_read(checkpoints, monkeypatch):
-    from quantkit import loader
+    from quantkit.checkpoints import loader
 
     monkeypatch.setattr(loader, "_fits_in_float32", lambda path: pytest.fail("read the model first"))
     with pytest.raises(offload.OffloadError, match=r"--offload 'ram': use one of none, disk, auto"):

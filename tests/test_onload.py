@@ -1,4 +1,4 @@
-"""Layer-by-layer onloading (`quantkit.onload`): the files equal whole-model quantization's, byte for byte,
+"""Layer-by-layer onloading (`quantkit.flow.onload`): the files equal whole-model quantization's, byte for byte,
 for every kind of stage and architecture; shards stream; memory does not grow with depth; an
 interrupted run leaves nothing."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
 
 from conftest import make_tiny_model
 from helpers import sample_ids
@@ -117,7 +117,7 @@ def test_sharded_output_streams_and_loads(sources, tmp_path, tokenizer):
 
 
 def test_interrupted_onloaded_run_leaves_nothing(sources, tmp_path, monkeypatch):
-    import quantkit.onload as onload
+    import quantkit.flow.onload as onload
 
     out = tmp_path / "q"
     quantize(str(sources["llama"]), load_recipe(*RECIPES["rtn"]), out, progress=False)
@@ -136,15 +136,15 @@ def test_interrupted_onloaded_run_leaves_nothing(sources, tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         quantize(str(sources["llama"]), load_recipe("rtn-w8a16"), tmp_path / "new", progress=False)
     # nothing at the new path and no half-written output; what stays is each stopped run's resumable state
-    # (layer 0 finished: `quantkit.resume`, tested in test_resume.py)
+    # (layer 0 finished: `quantkit.flow.resume`, tested in test_resume.py)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".new.run", ".q.run", "q"]
 
 
 PEAK = """
 import sys
-from quantkit.memory import PeakSampler, live_heap_bytes
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
+from quantkit.platform.memory import PeakSampler, live_heap_bytes
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
 recipe = load_recipe("gptq-w4a16", ["calibration.num_samples=2", "calibration.seq_len=32"])
 before = live_heap_bytes()
 with PeakSampler() as peak:
@@ -166,7 +166,7 @@ def _wide_model(path: Path, layers: int, tokenizer) -> Path:
     return path
 
 
-@pytest.mark.skipif(__import__("quantkit.memory").memory.live_heap_bytes() is None, reason="needs glibc's mallinfo2")
+@pytest.mark.skipif(__import__("quantkit.platform.memory").platform.memory.live_heap_bytes() is None, reason="needs glibc's mallinfo2")
 def test_peak_memory_does_not_grow_with_depth(tmp_path, tokenizer):
     """Peak live allocated bytes (glibc's malloc accounting, sampled every 2 ms in a thread: every CPU tensor
     is malloc'd) of a quantize job, for the same model with 2 and with 6 decoder layers of 5.9 MB (bf16)
@@ -230,7 +230,7 @@ def test_lazy_reads_equal_safetensors_reads(sources):
 
 def test_lazy_pieces_cover_each_tensor_in_bounded_reads(sources):
     """The NaN/Inf pass reads big tensors in pieces: they concatenate to the tensor, none is larger than asked."""
-    from quantkit.finite import find_nonfinite
+    from quantkit.checkpoints.finite import find_nonfinite
     from quantkit.formats.lazy import LazyCheckpoint
 
     lazy = LazyCheckpoint(sources["llama"])

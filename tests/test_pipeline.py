@@ -7,13 +7,13 @@ import torch
 
 import quantkit
 from quantkit.algorithms.rtn import RTN
-from quantkit.catalog import adapter_for
+from quantkit.plugins.catalog import adapter_for
 from quantkit.errors import QuantizationError, UnsupportedArchitectureError
-from quantkit.pipeline import build_stages, quantize_model
+from quantkit.flow.pipeline import build_stages, quantize_model
 from quantkit.quant.intq import rtn
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
-from quantkit.registry import ALGORITHMS
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
+from quantkit.core.registry import ALGORITHMS
 from quantkit.qmodules.int_linear import PackedIntLinear
 
 from conftest import make_tiny_model

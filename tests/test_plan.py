@@ -1,4 +1,4 @@
-"""`quantkit plan` (quantkit.plan): what a quantize run needs, from config.json alone."""
+"""`quantkit plan` (quantkit.flow.plan): what a quantize run needs, from config.json alone."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoConfig
 
-import quantkit.job as job
+import quantkit.flow.job as job
 from quantkit.cli import main
 from quantkit.errors import QuantizationError
 from quantkit.formats.lazy import LazyCheckpoint
-from quantkit.job import plan, quantize
-from quantkit.recipe import load_recipe
+from quantkit.flow.job import plan, quantize
+from quantkit.flow.recipe import load_recipe
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
@@ -82,7 +82,7 @@ def test_gptq_plan_accounts_for_the_hessians(config_only):
 def test_plan_json_and_cli(config_only, tmp_path, monkeypatch):
     # the machine's figures injected: the two plans' times are then compared on equal terms (measured live, each
     # call's probe saw the machine's load of that moment: a busy CI machine once made the two-rank plan slower)
-    from quantkit.plan import Throughput
+    from quantkit.flow.plan import Throughput
 
     monkeypatch.setattr(Throughput, "measure", classmethod(lambda cls, dtype: cls(50e9, 20e6)))
     out = tmp_path / "plan.json"
@@ -155,8 +155,8 @@ def test_a_cuda_run_plans_the_runtimes_host_memory(config_only, monkeypatch):
     """On a GPU machine CUDA's libraries and context take ~1.2 GB of host memory (measured on an H200: the
     plan was 1.24 GB under the measured RSS without it); a CPU run has none of it. The device is faked: the
     plan reads no weights and runs nothing on it."""
-    from quantkit import compute, devices
-    from quantkit.plan import BASE_PROCESS_BYTES, CUDA_HOST_BYTES
+    from quantkit.platform import compute, devices
+    from quantkit.flow.plan import BASE_PROCESS_BYTES, CUDA_HOST_BYTES
 
     cpu = plan(str(config_only), load_recipe("rtn-w4a16"), device="cpu", measure=False,
                activation_budget_bytes=10**12)

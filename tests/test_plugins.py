@@ -4,9 +4,11 @@ import textwrap
 
 import pytest
 
-from quantkit import catalog, registry  # catalog: importing it registers the built-ins
+from quantkit.plugins import catalog
+
+from quantkit.core import registry  # catalog: importing it registers the built-ins
 from quantkit.errors import PluginError, UnknownNameError
-from quantkit.registry import ALGORITHMS, ARCHITECTURES, FORMATS
+from quantkit.core.registry import ALGORITHMS, ARCHITECTURES, FORMATS
 
 
 @pytest.fixture
@@ -49,7 +51,7 @@ def test_third_party_plugin_registers_with_its_source(fake_dist):
     fake_dist(
         """
         from quantkit.algorithms.rtn import RTN
-        from quantkit.registry import ALGORITHMS
+        from quantkit.core.registry import ALGORITHMS
 
         @ALGORITHMS.register("test-rtn")
         class TestRTN(RTN):
@@ -74,7 +76,7 @@ def test_callable_entry_point_is_called(fake_dist):
         """
         def register():
             from quantkit.arch.adapter import ArchitectureAdapter
-            from quantkit.registry import ARCHITECTURES
+            from quantkit.core.registry import ARCHITECTURES
             ARCHITECTURES.add("toy", ArchitectureAdapter(model_type="toy"))
         """,
         entry="toy = quantkit_test_plugin:register",
@@ -99,7 +101,7 @@ def test_an_algorithm_declares_its_kind():
 
 
 def test_whether_fp8_needs_data_follows_its_scheme():
-    from quantkit.schemes import resolve_scheme
+    from quantkit.quant.schemes import resolve_scheme
 
     fp8 = ALGORITHMS.get("fp8")
     assert not fp8(fp8.Config(), resolve_scheme("FP8_DYNAMIC", {})).needs_data()

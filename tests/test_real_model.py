@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
 from quantkit.runtime.generate import generate
 from quantkit.runtime.sampling import SamplingParams
 

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from quantkit.errors import RecipeError
-from quantkit.recipe import available_recipes, load_recipe, validate_recipe
+from quantkit.flow.recipe import available_recipes, load_recipe, validate_recipe
 
 
 def test_shipped_recipes_validate():
@@ -119,7 +119,8 @@ def test_a_stage_is_addressed_by_its_algorithm(recipe, by_name, by_index):
     assert _schemes(named) == _schemes(indexed) and [s.args for s in named.stages] == [s.args for s in indexed.stages]
     assert _schemes(named) != _schemes(load_recipe(recipe)) or named.stages[0].args != load_recipe(recipe).stages[0].args
     stage = int(by_index.split(".")[1])
-    assert named.group_size_set(stage) == indexed.group_size_set(stage) == ("group_size" in by_name)
+    explicit = [named.resolved[stage].group_size_explicit, indexed.resolved[stage].group_size_explicit]
+    assert explicit == [("group_size" in by_name)] * 2
 
 
 TWO_RTN = {"stages": [
@@ -138,7 +139,8 @@ def test_stages_with_the_same_algorithm_need_names(tmp_path):
     path.write_text(yaml.safe_dump(named))
     recipe = load_recipe(str(path), ["stages.attention.scheme.group_size=32"])
     assert [s.group_size for s in _schemes(recipe)] == [128, 32]
-    assert recipe.stage_address(1) == "attention" and recipe.group_size_set(1) and not recipe.group_size_set(0)
+    assert recipe.stage_address(1) == "attention" and recipe.resolved[1].group_size_explicit
+    assert not recipe.resolved[0].group_size_explicit
     again = validate_recipe(yaml.safe_load(recipe.to_yaml()))
     assert [s.name for s in again.stages] == ["mlp", "attention"]
     assert all("name" not in st for st in yaml.safe_load(load_recipe("gptq-w4a16").to_yaml())["stages"])
@@ -156,19 +158,19 @@ def test_unknown_and_bad_stage_names():
 
 
 def test_a_recipe_is_resolved_once_into_its_plan(tiny_llama):
-    """Recipe.plan: per stage the algorithm class, its validated config and the resolved scheme, made
+    """Recipe.resolved: per stage the algorithm class, its validated config and the resolved scheme, made
     when the recipe is validated; the pipeline builds its stages from it and recipe.yaml writes it."""
     import torch
 
     import quantkit
     from quantkit.algorithms.awq import AWQ
     from quantkit.algorithms.rtn import RTN
-    from quantkit.catalog import adapter_for
-    from quantkit.pipeline import build_stages
-    from quantkit.recipe import Recipe
+    from quantkit.plugins.catalog import adapter_for
+    from quantkit.flow.pipeline import build_stages
+    from quantkit.flow.recipe import Recipe
 
     recipe = load_recipe("awq-w4a16", ["stages.rtn.scheme.group_size=32", "stages.awq.args.n_grid=7"])
-    awq, rtn = recipe.plan
+    awq, rtn = recipe.resolved
     assert (awq.algorithm, rtn.algorithm) == (AWQ, RTN) and (awq.address, rtn.address) == ("awq", "rtn")
     assert awq.scheme is None and awq.config.n_grid == 7
     assert rtn.scheme == rtn.spec.scheme.resolve() and rtn.scheme.group_size == 32
@@ -178,4 +180,18 @@ def test_a_recipe_is_resolved_once_into_its_plan(tiny_llama):
     assert stages[0].algorithm.config is awq.config and stages[1].algorithm.scheme is rtn.scheme
     assert [s.address for s in stages] == ["awq", "rtn"]
     with pytest.raises(RecipeError, match="was not validated"):
-        Recipe.model_construct(stages=recipe.stages).plan
+        Recipe.model_construct(stages=recipe.stages).resolved
+
+
+def test_an_explicit_group_size_is_recorded_when_the_item_is_parsed():
+    """--set items that give a group size mark their stage as they are applied (also on a Recipe object, and
+    kept through later overrides); the recipe's own size is not explicit."""
+    plain = load_recipe("awq-w4a16")
+    assert not any(s.group_size_explicit for s in plain.resolved)
+    by_object = plain.with_overrides(["stages.rtn.scheme.group_size=64"])
+    assert [s.group_size_explicit for s in by_object.resolved] == [False, True]
+    later = by_object.with_overrides(["calibration.num_samples=8"])
+    assert [s.group_size_explicit for s in later.resolved] == [False, True]
+    whole = load_recipe("rtn-w4a16", ["stages.0.scheme={preset: W4A16, group_size: 32}"])
+    assert whole.resolved[0].group_size_explicit
+    assert not load_recipe("rtn-w4a16", ["stages.0.scheme.num_bits=8"]).resolved[0].group_size_explicit

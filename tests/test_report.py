@@ -10,8 +10,8 @@ pytest.importorskip("matplotlib", reason="the report's plots need matplotlib (qu
 from quantkit.cli import main  # noqa: E402
 from quantkit.eval import plots  # noqa: E402
 from quantkit.eval.report import REPORT_FILES, first_divergence  # noqa: E402
-from quantkit.job import quantize  # noqa: E402
-from quantkit.recipe import load_recipe  # noqa: E402
+from quantkit.flow.job import quantize  # noqa: E402
+from quantkit.flow.recipe import load_recipe  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from quantkit import resume as resume_mod
+from quantkit.flow import resume as resume_mod
 from quantkit.cli import main
-from quantkit.job import quantize
-from quantkit.recipe import load_recipe
-from quantkit.resume import ResumeError, differences, run_dir
+from quantkit.flow.job import quantize
+from quantkit.flow.recipe import load_recipe
+from quantkit.flow.resume import ResumeError, differences, run_dir
 
 SMALL = ["calibration.num_samples=8", "calibration.seq_len=64"]
 RECIPES = {
@@ -85,7 +85,7 @@ def test_killed_process_resumes_byte_for_byte(tiny_llama, reference, tmp_path):
             "-o", str(out), "--no-progress"]
     script = f"""
 import os, signal, sys
-from quantkit import resume
+from quantkit.flow import resume
 real = resume.RunState.layer_done
 def layer_done(self, index, hidden, report):
     real(self, index, hidden, report)
@@ -144,7 +144,7 @@ def test_resume_without_a_stopped_run_starts_fresh(tiny_llama, tmp_path):
 
 
 def test_a_run_stopped_before_any_layer_keeps_nothing(tiny_llama, tmp_path, monkeypatch):
-    import quantkit.onload as onload
+    import quantkit.flow.onload as onload
 
     def fail(self, index, layer):
         raise RuntimeError("boom")
@@ -189,7 +189,7 @@ def test_clean_lists_and_discards_a_stopped_run(tiny_llama, tmp_path, monkeypatc
 def test_a_run_with_widened_matmuls_resumes_only_widened(tiny_llama, tmp_path, monkeypatch):
     """Widened and native 16-bit kernels differ in their last bits: a run begun in one is not continued in the
     other (nor one begun before widening existed, whose manifest has no such entry)."""
-    from quantkit import compute
+    from quantkit.platform import compute
 
     out = tmp_path / "q"
     name, overrides = RECIPES["gptq"]

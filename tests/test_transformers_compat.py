@@ -1,4 +1,4 @@
-"""quantkit.transformers_compat: the cache keyword read from the forward's signature (transformers renamed
+"""quantkit.platform.transformers_compat: the cache keyword read from the forward's signature (transformers renamed
 `past_key_values` to `cache` within 5.x; a cache under a name the forward does not take is silently ignored)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from quantkit.transformers_compat import cache_keyword, cache_kwargs
+from quantkit.platform.transformers_compat import cache_keyword, cache_kwargs
 
 
 class _New(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 from quantkit.algorithms.rtn import RTN
 from quantkit.calibration.lockstep import drive_in_lockstep, live_batches
 from quantkit.errors import QuantizationError
-from quantkit.registry import ALGORITHMS
+from quantkit.core.registry import ALGORITHMS
 
 from helpers import quantize_in_memory, sample_ids
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import quantkit
-from quantkit import compute
-from quantkit.compute import CpuFeatures, choose
+from quantkit.platform import compute
+from quantkit.platform.compute import CpuFeatures, choose
 from quantkit.kernels import wide_matmul
 from quantkit.kernels.wide_matmul import MIN_ROWS, WideMatmuls, widening
 
@@ -193,8 +193,8 @@ def slow_bf16(monkeypatch):
 
 
 def test_quantize_in_a_forced_bf16_widens_and_says_so(tiny_llama, tmp_path, slow_bf16, spy):
-    from quantkit.job import quantize
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
 
     recipe = load_recipe("gptq-w4a16", ["calibration.dtype=bfloat16", "calibration.num_samples=2",
                                         "calibration.seq_len=64", "stages.0.scheme.group_size=32"])
@@ -242,10 +242,10 @@ def test_smollm2_too_large_for_float32_here_evaluates_in_bf16_widened(smollm2, e
     """The real model on a CPU described as AVX2, with memory for its bf16 weights but not for float32 ones:
     it loads in bf16 (no disk offload, no float32), its GEMMs widened, and scores as float32 does to bf16's
     precision."""
-    from quantkit import memory
+    from quantkit.platform import memory
     from quantkit.calibration.data import load_text, tokenize
     from quantkit.eval.ppl import perplexity
-    from quantkit.loader import load, load_tokenizer
+    from quantkit.checkpoints.loader import load, load_tokenizer
 
     weights = sum(f.stat().st_size for f in smollm2.glob("*.safetensors"))  # bf16 on disk
     monkeypatch.setattr(compute, "cpu_features", lambda: AVX2)

@@ -1,1 +1,1 @@
-"""Quantization algorithms, each a plugin registered in `quantkit.registry.ALGORITHMS`."""
+"""Quantization algorithms, each a plugin registered in `quantkit.core.registry.ALGORITHMS`."""

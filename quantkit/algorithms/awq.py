@@ -21,14 +21,14 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from quantkit import distributed
+from quantkit.calibration import distributed
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig, LayerContext
 from quantkit.arch.adapter import ScaleGroup
 from quantkit.calibration.driver import drive_layer
 from quantkit.quant.awq import apply_clip, candidate_scales, clip_refine, clip_search, diagonal_blocks, fake_quantize, weight_magnitude
 from quantkit.quant.hessian import HessianAccumulator
-from quantkit.registry import ALGORITHMS
-from quantkit.smoothing import fold_scales, repeated_heads_index
+from quantkit.core.registry import ALGORITHMS
+from quantkit.quant.smoothing import fold_scales, repeated_heads_index
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from torch import nn
 
 from quantkit.quant.fp8 import Fp8Weight
 from quantkit.quant.intq import QuantizedWeight
-from quantkit.schemes import QuantScheme
-from quantkit.validation import StrictModel
+from quantkit.quant.schemes import QuantScheme
+from quantkit.core.validation import StrictModel
 
 if TYPE_CHECKING:
     from quantkit.arch.adapter import ArchitectureAdapter

@@ -16,11 +16,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from quantkit import distributed
+from quantkit.calibration import distributed
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.errors import QuantizationError
 from quantkit.quant.fp8 import Fp8Weight, InputScaleObserver, quantize_weight
-from quantkit.registry import ALGORITHMS
+from quantkit.core.registry import ALGORITHMS
 
 
 class FP8Config(AlgorithmConfig):

@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from quantkit import distributed
+from quantkit.calibration import distributed
 from quantkit.errors import QuantizationError, RecipeError
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.algorithms.fp8 import StaticInputScales, nearest_fp8
@@ -25,11 +25,11 @@ from quantkit.quant.fp8 import Fp8Weight, column_scales
 from quantkit.quant import ggml
 from quantkit.quant.gptq import (HessianError, SolveError, gptq_quantize, gptq_quantize_fp8, gptq_quantize_ggml,
                                  hessian_error)
-from quantkit.memory import release_free_memory
-from quantkit.parking import Parked
+from quantkit.platform.memory import release_free_memory
+from quantkit.platform.parking import Parked
 from quantkit.quant.hessian import HessianAccumulator
 from quantkit.quant.intq import QuantizedWeight, rtn
-from quantkit.registry import ALGORITHMS
+from quantkit.core.registry import ALGORITHMS
 
 log = logging.getLogger(__name__)
 

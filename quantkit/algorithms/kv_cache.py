@@ -14,11 +14,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from quantkit import distributed
+from quantkit.calibration import distributed
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.errors import QuantizationError
 from quantkit.quant.fp8 import scale_from_absmax
-from quantkit.registry import ALGORITHMS
+from quantkit.core.registry import ALGORITHMS
 from quantkit.calibration.driver import drive_layer
 from quantkit.qmodules.kv import KVObserver
 

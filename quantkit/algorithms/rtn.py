@@ -8,7 +8,7 @@ from torch import nn
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.quant import ggml
 from quantkit.quant.intq import QuantizedWeight, rtn
-from quantkit.registry import ALGORITHMS
+from quantkit.core.registry import ALGORITHMS
 
 
 class RTNConfig(AlgorithmConfig):

@@ -1,4 +1,4 @@
-"""The ArchitectureAdapter contract (the lookup from a `model_type` to its adapter is `quantkit.catalog`)."""
+"""The ArchitectureAdapter contract (the lookup from a `model_type` to its adapter is `quantkit.plugins.catalog`)."""
 
 from __future__ import annotations
 

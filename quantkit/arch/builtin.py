@@ -1,7 +1,7 @@
 """Adapters for the decoder-only families quantkit supports out of the box."""
 
 from quantkit.arch.adapter import LLAMA_SCALE_GROUPS, ArchitectureAdapter, ScaleGroup
-from quantkit.registry import ARCHITECTURES
+from quantkit.core.registry import ARCHITECTURES
 
 for _model_type in ("llama", "mistral", "qwen2", "qwen3"):
     ARCHITECTURES.add(_model_type, ArchitectureAdapter(model_type=_model_type))

@@ -18,7 +18,7 @@ from torch import nn
 
 from quantkit.calibration.activations import Activations
 from quantkit.calibration.driver import drive_layer, without_cache
-from quantkit.devices import to_device
+from quantkit.platform.devices import to_device
 
 
 class _StopForward(Exception):

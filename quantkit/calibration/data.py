@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from quantkit.errors import CalibrationDataError
-from quantkit.paths import CALIBRATION_DIR, EVAL_DATA_DIR
+from quantkit.platform.paths import CALIBRATION_DIR, EVAL_DATA_DIR
 
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 

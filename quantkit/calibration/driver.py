@@ -4,7 +4,8 @@ This is the one place that knows how transformers calls a decoder layer: the hid
 then the keyword arguments captured for it (masks, rotary embeddings, positions; `capture`), with
 the cache arguments handled here (`without_cache`; a `cache` object goes in under the name the
 layer's forward takes). Everything that runs a layer over its batches (observing linear inputs,
-AWQ's statistics, KV-cache scale observation, making the next layer's inputs) calls `drive_layer`.
+AWQ's statistics, KV-cache scale observation, making the next layer's inputs) calls `drive_layer`, and the
+true-sequential pass (`lockstep`), which runs each batch on a stack of its own, calls `call_layer`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from quantkit.transformers_compat import cache_keyword
+from quantkit.platform.transformers_compat import cache_keyword
 
 CACHE_KEYS = ("cache", "past_key_values", "past_key_value")  # what transformers' layers have called the cache
 
@@ -31,6 +32,13 @@ def without_cache(kwargs: dict) -> dict:
     out = {k: v for k, v in kwargs.items() if k not in CACHE_KEYS}
     out["use_cache"] = False
     return out
+
+
+def call_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """One batch through a decoder layer: the hidden states first, then the captured keyword arguments; the
+    layer's output hidden states (a decoder layer returns a tuple in some transformers releases, the tensor in others)."""
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
 
 
 @torch.no_grad()
@@ -76,11 +84,11 @@ def drive_layer(
                 kw = {**{k: v for k, v in kw.items() if k not in (*CACHE_KEYS, "use_cache")}, key: cache}
             seen.clear()
             try:
-                out = layer(h, **kw)
+                out = call_layer(layer, h, kw)
             except _Stop:
                 continue
             if outputs is not None:
-                outputs.append(out[0] if isinstance(out, tuple) else out)
+                outputs.append(out)
     finally:
         for handle in handles:
             handle.remove()

@@ -32,6 +32,7 @@ import greenlet
 import torch
 from torch import nn
 
+from quantkit.calibration.driver import call_layer
 from quantkit.errors import QuantizationError
 
 
@@ -133,8 +134,7 @@ class _Pass:
     def _work(self, batch: _Batch) -> None:
         _live[0] += 1
         try:
-            out = self.layer(batch.hidden, **self.kwargs[batch.index])
-            batch.output = out[0] if isinstance(out, tuple) else out
+            batch.output = call_layer(self.layer, batch.hidden, self.kwargs[batch.index])
             batch.state = "done"
         finally:
             batch.hidden = None

@@ -30,7 +30,7 @@ class _Group(click.Group):
                 KeyboardInterrupt, GeneratorExit):
             raise
         except Exception as exc:  # noqa: BLE001  (the guard's purpose: nothing else reaches the screen)
-            from quantkit.crash import save_report
+            from quantkit.platform.crash import save_report
 
             report = save_report(exc, sys.argv)
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

@@ -23,7 +23,7 @@ def command(directories, dry_run):
       quantkit clean
       quantkit clean ./out --dry-run
     """
-    from quantkit.atomic import find_work_dirs, remove_stale
+    from quantkit.checkpoints.atomic import find_work_dirs, remove_stale
 
     found = [w for d in (directories or (Path("."),)) for w in find_work_dirs(d)]
     if not found:

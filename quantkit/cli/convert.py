@@ -30,7 +30,7 @@ def gguf(file, output, dtype, dequantize, overwrite):
     """
     import torch
 
-    from quantkit.models.gguf import convert_gguf
+    from quantkit.checkpoints.from_gguf import convert_gguf
 
     convert_gguf(file, output, getattr(torch, dtype), overwrite, keep=not dequantize, notify=click.echo)
     click.echo(f"Wrote {output}")

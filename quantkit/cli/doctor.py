@@ -24,9 +24,9 @@ def command(model, dtype, cached, bandwidth):
       quantkit doctor smollm2-w4
       quantkit doctor smollm2-w4 --dtype bfloat16 --cached
     """
-    from quantkit import compute
+    from quantkit.platform import compute
     from quantkit.kernels.roofline import read_bandwidth
-    from quantkit.loader import decode_plan_for
+    from quantkit.checkpoints.loader import decode_plan_for
 
     click.echo(compute.machine_summary())
     if bandwidth:

@@ -32,6 +32,6 @@ def gguf(checkpoint, output, file_type, tokenizer_pre, overwrite):
       quantkit quantize smollm2-135m --recipe gptq-q4_0 -o ./smollm2-q4_0
       quantkit export gguf ./smollm2-q4_0 -o smollm2-q4_0.gguf
     """
-    from quantkit.gguf.export import export_gguf
+    from quantkit.checkpoints.to_gguf import export_gguf
 
     export_gguf(checkpoint, output, file_type, overwrite, tokenizer_pre, notify=click.echo)

@@ -60,10 +60,10 @@ class Runner:
     """A loaded model (and optional draft) that generates with the CLI's options and prints metrics."""
 
     def __init__(self, model_spec, opts: dict, params=None):
-        from quantkit.loader import load, load_tokenizer
+        from quantkit.checkpoints.loader import load, load_tokenizer
 
         params = params or _params(opts)  # bad options fail before minutes of loading
-        from quantkit.devices import resolve
+        from quantkit.platform.devices import resolve
 
         device = resolve(opts.get("device", "cpu")).device  # a missing device fails before anything loads
         if opts.get("draft"):
@@ -109,8 +109,8 @@ def _check_draft(model_spec, draft_spec) -> None:
     from quantkit.errors import IncompatibleModelsError
     from quantkit.formats.checkpoint import read_config
     from quantkit.formats.model_config import text_fields
-    from quantkit.loader import load_tokenizer
-    from quantkit.models.resolve import resolve_model
+    from quantkit.checkpoints.loader import load_tokenizer
+    from quantkit.checkpoints.resolve import resolve_model
 
     paths = [resolve_model(None if s is None else str(s)) for s in (model_spec, draft_spec)]
     vocab = [text_fields(read_config(p))["vocab_size"] for p in paths]
@@ -128,7 +128,7 @@ def _check_model_not_prompt(spec: str) -> None:
     """`quantkit generate "Once upon a time"`: one argument that names no model is reported as a
     prompt given without a model, not as a missing directory."""
     from quantkit.errors import ModelNotFoundError
-    from quantkit.models.resolve import DEFAULT_MODEL, resolve_model
+    from quantkit.checkpoints.resolve import DEFAULT_MODEL, resolve_model
 
     try:
         resolve_model(spec)

@@ -13,7 +13,7 @@ def command():
 @command.command("list")
 def list_models():
     """List demo models and whether they are cached."""
-    from quantkit.models.demo import DEMO_MODELS, demo_model_dir
+    from quantkit.checkpoints.demo import DEMO_MODELS, demo_model_dir
 
     for name, spec in DEMO_MODELS.items():
         cached = (demo_model_dir(name) / "config.json").is_file()
@@ -30,6 +30,6 @@ def fetch(name, force):
     Example:
       quantkit models fetch smollm2-135m     (cache: $QUANTKIT_CACHE or ~/.cache/quantkit)
     """
-    from quantkit.models.demo import fetch as do_fetch
+    from quantkit.checkpoints.demo import fetch as do_fetch
 
     click.echo(f"Cached at {do_fetch(name, force)}")

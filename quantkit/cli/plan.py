@@ -30,8 +30,8 @@ def command(model, recipe_name, overrides, device, nproc, activation_budget, jso
       quantkit plan ./llama-3-70b-config --recipe gptq-w4a16
       quantkit plan smollm2-135m --recipe awq-w4a16 --json plan.json
     """
-    from quantkit.job import plan
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.job import plan
+    from quantkit.flow.recipe import load_recipe
 
     recipe = load_recipe(recipe_name, list(overrides))
     budget = None if activation_budget is None else int(activation_budget * 1e9)

@@ -13,8 +13,8 @@ def command():
     Example:
       quantkit plugins
     """
-    from quantkit import catalog  # noqa: F401  (registers the built-ins)
-    from quantkit.registry import ALGORITHMS, ARCHITECTURES, FORMATS
+    from quantkit.plugins import catalog  # noqa: F401  (registers the built-ins)
+    from quantkit.core.registry import ALGORITHMS, ARCHITECTURES, FORMATS
 
     for registry in (ALGORITHMS, FORMATS, ARCHITECTURES):
         click.echo(f"{registry.kind}s:")

@@ -54,8 +54,8 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
     --overwrite replaces only an earlier quantkit output (or an empty directory), never the current
     or home directory, the source model, or a directory holding files quantkit did not write.
     """
-    from quantkit.job import quantize
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
 
     recipe = load_recipe(recipe_name, list(overrides))  # a bad recipe fails here, before any process starts
     if nproc > 1 and "WORLD_SIZE" not in os.environ:

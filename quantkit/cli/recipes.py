@@ -22,7 +22,7 @@ def command(ctx):
 @command.command("list")
 def list_recipes():
     """List the shipped recipes."""
-    from quantkit.recipe import available_recipes, load_recipe
+    from quantkit.flow.recipe import available_recipes, load_recipe
 
     for name in available_recipes():
         recipe = load_recipe(name)
@@ -33,6 +33,6 @@ def list_recipes():
 @click.argument("name")
 def show(name):
     """Print a recipe (name or file) as validated YAML, schemes resolved."""
-    from quantkit.recipe import load_recipe
+    from quantkit.flow.recipe import load_recipe
 
     click.echo(load_recipe(name).to_yaml(), nl=False)

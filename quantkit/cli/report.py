@@ -41,7 +41,7 @@ def command(checkpoints, original, output, overwrite, eval_json, datasets, seq_l
       quantkit report ./smollm2-rtn ./smollm2-gptq ./smollm2-awq -o report
       quantkit eval ./a ./b --dataset emma,persuasion --json eval.json && quantkit report ./a ./b --eval-json eval.json
     """
-    from quantkit.atomic import check_output_free
+    from quantkit.checkpoints.atomic import check_output_free
     from quantkit.eval.compare import evaluate, find_original
     from quantkit.eval.report import DEFAULT_PROMPTS, gather, write
 

@@ -29,7 +29,7 @@ from quantkit.errors import CalibrationDataError, CheckpointError, QuantkitError
 from quantkit.eval.divergence import Tally, kl_divergence, log_probs, token_nll, top1_same
 from quantkit.eval.ppl import windows
 from quantkit.eval.ppl_table import MIN_SCORED_TOKENS
-from quantkit.transformers_compat import cache_kwargs
+from quantkit.platform.transformers_compat import cache_kwargs
 
 LOGIT_ELEMENTS = 1 << 25  # floats of one logits chunk (128 MB): positions per chunk = this // vocab (Gemma: 128;
 # fewer rows make the LM-head matmul markedly less efficient on CPU, 64 rows ~20% slower)
@@ -75,7 +75,7 @@ def recorded_source(spec: str) -> Optional[str]:
     """The source model a quantkit checkpoint records in its quantkit.json, when it still exists."""
     import json
 
-    from quantkit.models.resolve import resolve_model
+    from quantkit.checkpoints.resolve import resolve_model
 
     try:
         meta = json.loads((resolve_model(spec) / "quantkit.json").read_text())
@@ -107,7 +107,7 @@ def _vocab_size(raw: dict) -> Optional[int]:
 def _subject(spec: str, seq_len: int) -> tuple[Subject, dict]:
     from quantkit.formats import model_config
     from quantkit.formats.checkpoint import read_config, weight_files
-    from quantkit.models.resolve import resolve_model
+    from quantkit.checkpoints.resolve import resolve_model
 
     path = resolve_model(spec)
     raw = read_config(path)
@@ -133,8 +133,8 @@ def prepare(original: str, checkpoints: list[str], datasets: list[str], seq_len:
             max_tokens: Optional[int] = None, text_column: str = "text", encoding: str = "utf-8",
             dtype: str = "auto") -> tuple[list[Subject], list[Text], Optional[int]]:
     """Check everything that needs no weights; returns the subjects, the tokenized texts and the BOS id."""
-    from quantkit.catalog import needs_bos as family_needs_bos
-    from quantkit.loader import load_tokenizer
+    from quantkit.plugins.catalog import needs_bos as family_needs_bos
+    from quantkit.checkpoints.loader import load_tokenizer
 
     if not datasets:
         raise CalibrationDataError("no dataset to evaluate on; pass --dataset NAME (emma, persuasion or a file)")
@@ -187,7 +187,7 @@ def prepare(original: str, checkpoints: list[str], datasets: list[str], seq_len:
 def _check_memory(subjects: list[Subject], dtype: str) -> None:
     """All models are held at once: refuse early when their files (doubled for a float32 compute of a
     16-bit checkpoint: an upper bound) would not fit."""
-    from quantkit.memory import available_memory
+    from quantkit.platform.memory import available_memory
 
     available = available_memory()
     if not available:
@@ -265,8 +265,8 @@ def evaluate(original: str, checkpoints: list[str], datasets: list[str], seq_len
     """Compare `checkpoints` with `original` on `datasets`; see the module docstring."""
     from tqdm.auto import tqdm
 
-    from quantkit.devices import resolve
-    from quantkit.loader import load
+    from quantkit.platform.devices import resolve
+    from quantkit.checkpoints.loader import load
     from quantkit.runtime.offload import choose
 
     resolve(device)  # a missing device or a bad mode fails before any text is read

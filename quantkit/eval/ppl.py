@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from quantkit.errors import CalibrationDataError
 from quantkit.runtime.kv_cache import cache_factory
-from quantkit.transformers_compat import cache_kwargs
+from quantkit.platform.transformers_compat import cache_kwargs
 
 LOGIT_CHUNK = 512  # positions per LM-head chunk: Gemma's 262k vocab makes full logits 2 GB per window
 

@@ -17,7 +17,7 @@ import torch
 from quantkit.calibration.data import load_text, tokenize
 from quantkit.errors import CalibrationDataError, CheckpointError
 from quantkit.eval.ppl import perplexity, windows
-from quantkit.catalog import needs_bos as family_needs_bos
+from quantkit.plugins.catalog import needs_bos as family_needs_bos
 
 MIN_SCORED_TOKENS = 100  # a perplexity over fewer tokens is noise, not a measurement
 
@@ -37,8 +37,8 @@ def prepare(model_spec: str, text: str, seq_len: int, max_windows: Optional[int]
     """Resolve `model_spec`, read its config and tokenizer, tokenize `text` and check the windows."""
     from quantkit.formats import model_config
     from quantkit.formats.checkpoint import read_config
-    from quantkit.models.resolve import resolve_model
-    from quantkit.loader import load_tokenizer
+    from quantkit.checkpoints.resolve import resolve_model
+    from quantkit.checkpoints.loader import load_tokenizer
 
     path = resolve_model(model_spec)
     raw = read_config(path)
@@ -59,9 +59,9 @@ def prepare(model_spec: str, text: str, seq_len: int, max_windows: Optional[int]
 def evaluate_one(model_spec: str, text: str, seq_len: int, max_windows: Optional[int], progress: bool,
                  kv_cache_dtype: Optional[str] = None, dtype: str = "float32",
                  prepared: Optional[Prepared] = None, device: str = "cpu", offload: str = "none") -> dict:
-    """One model's row. dtype: float32 (the protocol) or another compute dtype / "auto" (`quantkit.compute`).
+    """One model's row. dtype: float32 (the protocol) or another compute dtype / "auto" (`quantkit.platform.compute`).
     A non-finite perplexity gives ppl None and an `error` saying so."""
-    from quantkit.loader import load
+    from quantkit.checkpoints.loader import load
 
     p = prepared or prepare(model_spec, text, seq_len, max_windows, min_tokens=1)
     model = load(p.path, dtype=dtype, device=device, offload=offload)
@@ -83,7 +83,7 @@ def evaluate_many(models: list[str], dataset: str, text_column: str, seq_len: in
                   offload: str = "none") -> list[dict]:
     """One row per model; rows after the first carry deltas against the first (the baseline).
     Every model is checked (`prepare`) before the first is scored."""
-    from quantkit.devices import resolve
+    from quantkit.platform.devices import resolve
 
     from quantkit.runtime.offload import choose
 

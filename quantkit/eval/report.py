@@ -89,7 +89,7 @@ def greedy_side_by_side(specs: list[str], prompts: Sequence[str], max_new_tokens
     import gc
 
     from quantkit.runtime.generate import generate_batch
-    from quantkit.loader import load, load_tokenizer
+    from quantkit.checkpoints.loader import load, load_tokenizer
     from quantkit.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens)
@@ -274,9 +274,9 @@ def to_html(doc: list[Block]) -> str:
 def gather(original: str, checkpoints: list[str], evaluation: dict, prompts: Sequence[str], max_new_tokens: int,
            dtype: str, device: str) -> dict:
     """Everything the document says, as JSON-able data (written as report.json)."""
-    from quantkit import compute
+    from quantkit.platform import compute
     from quantkit.version import __version__
-    from quantkit.models.resolve import resolve_model
+    from quantkit.checkpoints.resolve import resolve_model
 
     specs = [original] + checkpoints
     if [m["model"] for m in evaluation["models"]] != specs:
@@ -301,7 +301,7 @@ def gather(original: str, checkpoints: list[str], evaluation: dict, prompts: Seq
 def write(out: Path, data: dict, overwrite: bool = False) -> list[Path]:
     """report.md, report.html, report.json and the PNGs in `out`, all or nothing."""
     from quantkit.version import __version__
-    from quantkit.atomic import atomic_output_dir
+    from quantkit.checkpoints.atomic import atomic_output_dir
     from quantkit.eval import plots
 
     with atomic_output_dir(out, overwrite) as tmp:

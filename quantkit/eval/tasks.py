@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
 from quantkit.eval.likelihood import score
-from quantkit.paths import EVAL_TASKS_DIR
+from quantkit.platform.paths import EVAL_TASKS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +160,9 @@ def run(model_spec: str, tasks: list[str], limit: Optional[float] = None, batch_
 
     from quantkit.formats import model_config
     from quantkit.formats.checkpoint import read_config
-    from quantkit.models.resolve import resolve_model
-    from quantkit.catalog import needs_bos
-    from quantkit.loader import load, load_tokenizer
+    from quantkit.checkpoints.resolve import resolve_model
+    from quantkit.plugins.catalog import needs_bos
+    from quantkit.checkpoints.loader import load, load_tokenizer
 
     if not tasks:
         raise TaskError("no task given; pass --tasks NAME[,NAME] (shipped: "

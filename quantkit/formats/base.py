@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from quantkit.quant.intq import QuantizedWeight
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 
 class QuantFormat(ABC):

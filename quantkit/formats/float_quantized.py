@@ -11,9 +11,9 @@ from torch import nn
 from quantkit.errors import CheckpointError
 from quantkit.formats.base import QuantFormat
 from quantkit.quant.fp8 import Fp8Weight
-from quantkit.registry import FORMATS
+from quantkit.core.registry import FORMATS
 from quantkit.qmodules.fp8_linear import Fp8Linear
-from quantkit.schemes import ActivationScheme, QuantScheme
+from quantkit.quant.schemes import ActivationScheme, QuantScheme
 
 
 class FloatQuantized(QuantFormat):

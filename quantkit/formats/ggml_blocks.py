@@ -16,8 +16,8 @@ from quantkit.errors import CheckpointError
 from quantkit.formats.base import QuantFormat
 from quantkit.qmodules.ggml_linear import GGMLLinear
 from quantkit.quant.ggml import KIND, GGMLWeight, is_block_grid
-from quantkit.registry import FORMATS
-from quantkit.schemes import PRESETS, QuantScheme
+from quantkit.core.registry import FORMATS
+from quantkit.quant.schemes import PRESETS, QuantScheme
 
 
 class GGMLBlocks(QuantFormat):

@@ -9,9 +9,9 @@ from quantkit.errors import CheckpointError
 from quantkit.formats.base import QuantFormat
 from quantkit.quant.intq import QuantizedWeight
 from quantkit.quant.packing import SUPPORTED_BITS
-from quantkit.registry import FORMATS
+from quantkit.core.registry import FORMATS
 from quantkit.qmodules.int_linear import PackedIntLinear
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 
 class PackQuantized(QuantFormat):

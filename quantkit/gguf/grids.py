@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from quantkit.errors import CheckpointError
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 GROUP = 32
 

@@ -14,7 +14,7 @@ from torch import nn
 from quantkit.gguf import grids, metadata
 from quantkit.quant import ggml_blocks as blocks
 from quantkit.quant.intq import QuantizedWeight
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 Q8_0 = QuantScheme(num_bits=8, symmetric=True, strategy="group", group_size=32, scale_dtype="float16")
 Q4_0_SYM = QuantScheme(num_bits=4, symmetric=True, strategy="group", group_size=32, scale_dtype="float16")
@@ -38,7 +38,7 @@ def keep_quantized(model: nn.Module, reader) -> tuple[dict, Counter]:
     """Swap the model's linears stored as Q8_0 / Q4_0 in the GGUF file (`reader`, a gguf.GGUFReader) for
     packed int modules. Returns the quantized modules (name -> (format, scheme)) for the checkpoint's config,
     and tensors by how they went."""
-    from quantkit.catalog import quant_format
+    from quantkit.plugins.catalog import quant_format
     from quantkit.qmodules.int_linear import PackedIntLinear
 
     tensors = {t.name: t for t in reader.tensors}

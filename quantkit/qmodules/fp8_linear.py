@@ -27,9 +27,9 @@ from torch import nn
 from quantkit.errors import KernelError
 from quantkit.kernels.reference import fp8_quantize_per_token
 from quantkit.kernels.select import ENV, forced_kernel, triton_device_reason
-from quantkit.memory import available_memory
+from quantkit.platform.memory import available_memory
 from quantkit.quant.fp8 import FP8_DTYPE, Fp8Weight, dequantize_weight, quantize
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from quantkit.quant.ggml import GGMLWeight, kind_of
 from quantkit.quant.ggml_blocks import row_bytes
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 
 class GGMLLinear(nn.Module):

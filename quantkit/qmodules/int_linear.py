@@ -19,7 +19,7 @@ from quantkit.kernels import cpu_int4, cuda_int4
 from quantkit.kernels.select import fastest, forced_kernel, int_kernels
 from quantkit.quant.intq import QuantizedWeight, dequantize, dequantize_packed4
 from quantkit.quant.packing import pack_int32, packed_size, unpack_int32
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 
 class PackedIntLinear(nn.Module):

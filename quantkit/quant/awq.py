@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.quant.intq import _grouped, rtn
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 
 def fake_quantize(w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype) -> torch.Tensor:

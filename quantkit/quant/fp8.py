@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from quantkit.quant import ggml_blocks
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 KIND = {"q4_1": "Q4_1", "q5_0": "Q5_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}  # scheme grid -> ggml type (ggml blocks)
 SPAN = {"Q4_1": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256}  # columns sharing the top-level parameters

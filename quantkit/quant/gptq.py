@@ -20,7 +20,7 @@ import torch
 from quantkit.quant import ggml
 from quantkit.quant.fp8 import FP8_DTYPE, FP8_MAX
 from quantkit.quant.intq import QuantizedWeight, compute_qparams, minmax_qparams, searched_grid_qparams
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 
 class HessianError(ArithmeticError):
@@ -133,10 +133,10 @@ def inverse_hessian_factor(H: torch.Tensor, dampening_frac: float, perm: Optiona
     whose (zero) diagonal entries count as 1. H itself is left as it is. Memory: one reversed (and
     permuted) copy of H, factorized, inverted and reversed in place: n^2 floats beyond H, plus
     [n, 256] panels (there were about 7 n^2). H may also be a row source (`shape`, `rows(start, stop)`,
-    `diagonal()`, as `quantkit.parking.Parked`): then the copy is the only n^2 floats in memory.
+    `diagonal()`, as `quantkit.platform.parking.Parked`): then the copy is the only n^2 floats in memory.
     """
     n = H.shape[0]
-    if not isinstance(H, torch.Tensor):  # a row source (`quantkit.parking.Parked`): the copy filled by row blocks
+    if not isinstance(H, torch.Tensor):  # a row source (`quantkit.platform.parking.Parked`): the copy filled by row blocks
         Hf = _reversed_copy(H, perm)
     elif perm is None:
         Hf = H.detach().float().flip(0, 1)  # J H J: the one copy of H made here

@@ -38,7 +38,7 @@ class HessianAccumulator:
 
     def reduce(self, sum_: "Callable[[torch.Tensor], torch.Tensor]") -> None:
         """Replace the running sum and token count by their totals under `sum_` (an in-place all-reduce over
-        the ranks of a distributed run, `quantkit.distributed`): every rank then holds the same Hessian."""
+        the ranks of a distributed run, `quantkit.calibration.distributed`): every rank then holds the same Hessian."""
         if self._upper is None:
             raise ValueError("no tokens were added to the Hessian")
         sum_(self._upper)

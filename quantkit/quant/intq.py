@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from quantkit.schemes import QuantScheme
+from quantkit.quant.schemes import QuantScheme
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit import compute
+from quantkit.platform import compute
 from quantkit.kernels import cpu_int4
 from quantkit.qmodules.fp8_linear import Fp8Linear
 from quantkit.qmodules.int_linear import PackedIntLinear

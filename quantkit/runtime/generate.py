@@ -27,7 +27,7 @@ from quantkit.runtime import lean_decode
 from quantkit.runtime.kv_cache import Fp8StaticCache, make_cache
 from quantkit.runtime.request import Completion, Request, context_limit, end_token_ids, request_generator
 from quantkit.runtime.sampling import SamplingParams
-from quantkit.transformers_compat import cache_kwargs
+from quantkit.platform.transformers_compat import cache_kwargs
 
 __all__ = ["Completion", "context_limit", "end_token_ids", "generate", "generate_batch"]
 

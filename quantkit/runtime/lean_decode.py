@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit import compute
+from quantkit.platform import compute
 from quantkit.kernels import cpu_int4
 from quantkit.quant.fp8 import fake_quantize
 from quantkit.qmodules.kv import head_view

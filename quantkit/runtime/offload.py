@@ -24,7 +24,7 @@ from torch import nn
 from quantkit.errors import CheckpointError
 from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS
 from quantkit.formats.lazy import LazyCheckpoint
-from quantkit.memory import available_memory, free_swap
+from quantkit.platform.memory import available_memory, free_swap
 
 log = logging.getLogger(__name__)
 

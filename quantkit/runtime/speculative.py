@@ -28,7 +28,7 @@ from quantkit.runtime import lean_decode
 from quantkit.runtime.kv_cache import make_cache
 from quantkit.runtime.request import Completion, Request, context_limit, end_token_ids
 from quantkit.runtime.sampling import SamplingParams, distribution
-from quantkit.transformers_compat import cache_kwargs
+from quantkit.platform.transformers_compat import cache_kwargs
 
 
 @dataclass

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-PACKAGE_ROOT = Path(__file__).resolve().parent
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # quantkit/ (this file is quantkit/platform/paths.py)
 PROJECT_ROOT = PACKAGE_ROOT.parent  # the checkout; quantkit is installed editable by `make install`
 RECIPES_DIR = PROJECT_ROOT / "recipes"
 CALIBRATION_DIR = PROJECT_ROOT / "calibration_data"

@@ -41,7 +41,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from quantkit import allocator
+from quantkit.platform import allocator
 from quantkit.errors import QuantkitError
 
 log = logging.getLogger(__name__)
@@ -389,7 +389,7 @@ def write_probe_cache(cache_file: Optional[Path], entries: dict) -> None:
 
 
 def _probe_cache_path(cache_file: Optional[Path]) -> Path:
-    from quantkit.paths import cache_dir
+    from quantkit.platform.paths import cache_dir
 
     return cache_file or cache_dir() / PROBE_FILE
 

@@ -3,7 +3,7 @@
 A recipe is data only: it is parsed with `yaml.safe_load` and validated by pydantic models
 that reject unknown keys, so nothing in a recipe can execute code.
 
-A validated recipe is resolved once into its plan (`Recipe.plan`): per stage the algorithm class,
+A validated recipe is resolved once (`Recipe.resolved`): per stage the algorithm class,
 its validated config and its resolved scheme, which the pipeline and `recipe.yaml` consume.
 
 Overrides address a stage by index (`stages.0.scheme.group_size=64`) or by name
@@ -23,10 +23,10 @@ import yaml
 from pydantic import BaseModel, Field, PositiveInt, PrivateAttr, ValidationError, create_model, model_validator
 
 from quantkit.errors import QuantkitError, RecipeError
-from quantkit.paths import RECIPES_DIR
-from quantkit import catalog
-from quantkit.schemes import QuantScheme, resolve_scheme
-from quantkit.validation import StrictModel
+from quantkit.platform.paths import RECIPES_DIR
+from quantkit.plugins import catalog
+from quantkit.quant.schemes import QuantScheme, resolve_scheme
+from quantkit.core.validation import StrictModel
 
 if TYPE_CHECKING:
     from quantkit.algorithms.base import Algorithm
@@ -74,7 +74,7 @@ class CalibrationSpec(_Strict):
     seed: int = 0
     batch_size: PositiveInt = 4  # samples per calibration forward: peak memory (attention temporaries) vs speed
     # dtype of the calibration forwards; "auto" = the machine's fast dtype that holds the checkpoint's
-    # weights exactly (`quantkit.compute`: bf16 only where the hardware has it; on an AVX2 CPU a bf16
+    # weights exactly (`quantkit.platform.compute`: bf16 only where the hardware has it; on an AVX2 CPU a bf16
     # matmul is ~100x slower than float32). Hessians and other statistics are always float32.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
@@ -89,7 +89,7 @@ class StageSpec(_Strict):
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class ResolvedStage:
     """One stage, resolved: what the pipeline builds it from and `recipe.yaml` writes."""
 
     index: int
@@ -98,6 +98,9 @@ class StagePlan:
     algorithm: type["Algorithm"]
     config: BaseModel  # the algorithm's Config, validated from spec.args
     scheme: Optional[QuantScheme]  # spec.scheme with its preset merged in (None for stages without one)
+    # the group size was given by a --set item (recorded when the item was parsed): a layer it does not divide is
+    # an error, where the recipe's own size falls back to a smaller one for that layer
+    group_size_explicit: bool = False
 
 
 class Recipe(_Strict):
@@ -107,7 +110,7 @@ class Recipe(_Strict):
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
     stages: list[StageSpec] = Field(min_length=1)
     _overrides: list[str] = PrivateAttr(default_factory=list)  # the --set items applied, in order
-    _plan: tuple[StagePlan, ...] = PrivateAttr(default=())  # set by validate_recipe
+    _resolved: tuple[ResolvedStage, ...] = PrivateAttr(default=())  # set by validate_recipe
     # the data it was validated from, as written (schemes unresolved): what more overrides apply to
     _raw: Optional[dict] = PrivateAttr(default=None)
 
@@ -116,39 +119,25 @@ class Recipe(_Strict):
         return list(self._overrides)
 
     @property
-    def plan(self) -> tuple[StagePlan, ...]:
+    def resolved(self) -> tuple[ResolvedStage, ...]:
         """Each stage resolved (algorithm class, validated config, scheme): made once, when the recipe
         was validated."""
-        if len(self._plan) != len(self.stages):
+        if len(self._resolved) != len(self.stages):
             raise RecipeError("this recipe was not validated (use load_recipe or validate_recipe)")
-        return self._plan
-
-    def group_size_set(self, stage: int) -> bool:
-        """Whether a --set override gave stage `stage`'s group size explicitly."""
-        names = stage_names([s.model_dump() for s in self.stages])
-        for item in self._overrides:
-            parts = item.partition("=")[0].strip().split(".")
-            if parts[:1] != ["stages"] or len(parts) < 3 or parts[2:] not in (["scheme", "group_size"], ["scheme"]):
-                continue
-            if parts[1].lstrip("-").isdigit():
-                if int(parts[1]) % len(self.stages) == stage:
-                    return True
-            elif names.get(parts[1]) == stage:
-                return True
-        return False
+        return self._resolved
 
     def stage_address(self, stage: int) -> str:
         """How overrides name stage `stage`: its name where it has one, else its index."""
-        return self.plan[stage].address
+        return self.resolved[stage].address
 
     def with_overrides(self, items: list[str]) -> "Recipe":
         """A copy with more `--set` items applied to the recipe as written (schemes not yet resolved, so
         `stages.0.scheme.preset=W8A16` or `...strategy=channel` mean what they mean on a recipe name),
         validated as a recipe read from a file is."""
         raw = copy.deepcopy(self._raw) if self._raw is not None else self.model_dump(mode="json", exclude_unset=True)
-        for item in items:
-            raw = apply_override(raw, item)
-        recipe = validate_recipe(raw, self.name)
+        raw, explicit = apply_overrides(raw, items)
+        explicit |= {p.index for p in self.resolved if p.group_size_explicit}
+        recipe = validate_recipe(raw, self.name, explicit)
         recipe._overrides = [*self._overrides, *items]
         return recipe
 
@@ -159,7 +148,7 @@ class Recipe(_Strict):
         data = self.model_dump(mode="json")
         if dataset is not None:
             data["calibration"]["dataset"] = dataset
-        for stage, planned in zip(data["stages"], self.plan):
+        for stage, planned in zip(data["stages"], self.resolved):
             stage["scheme"] = planned.scheme.model_dump(mode="json") if planned.scheme is not None else None
             if stage.get("name") is None:
                 stage.pop("name", None)
@@ -201,21 +190,22 @@ def load_recipe(name_or_path: str, overrides: Optional[list[str]] = None) -> Rec
                           "`version: 1` and `stages:` (see `quantkit recipes` for the shipped ones to start from)")
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe {label}: expected a mapping at the top level, got {type(raw).__name__}")
-    for item in overrides or []:
-        raw = apply_override(raw, item)
-    recipe = validate_recipe(raw, label)
+    raw, explicit = apply_overrides(raw, list(overrides or []))
+    recipe = validate_recipe(raw, label, explicit)
     recipe._overrides = list(overrides or [])
     return recipe
 
 
-def validate_recipe(raw: dict, label: str = "recipe") -> Recipe:
+def validate_recipe(raw: dict, label: str = "recipe", explicit_group_sizes: frozenset = frozenset()) -> Recipe:
+    """A recipe from its data; `explicit_group_sizes`: the stages whose group size a --set item gave."""
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:
         raise RecipeError(_format_errors(label, exc, Recipe)) from None
     recipe._raw = copy.deepcopy(raw)
     names = {i: n for n, i in stage_names([st.model_dump() for st in recipe.stages]).items()}
-    recipe._plan = tuple(_plan_stage(label, i, stage, names.get(i, str(i))) for i, stage in enumerate(recipe.stages))
+    recipe._resolved = tuple(_resolve_stage(label, i, stage, names.get(i, str(i)), i in explicit_group_sizes)
+                             for i, stage in enumerate(recipe.stages))
     seen: dict[str, int] = {}
     for i, stage in enumerate(recipe.stages):
         if stage.name is None:
@@ -244,7 +234,7 @@ def stage_names(stages: list) -> dict[str, int]:
     return out
 
 
-def _plan_stage(label: str, i: int, stage: StageSpec, address: str) -> StagePlan:
+def _resolve_stage(label: str, i: int, stage: StageSpec, address: str, explicit: bool) -> ResolvedStage:
     """Validate stage i and resolve it (the only place a recipe's scheme is resolved)."""
     if stage.algorithm not in catalog.algorithm_names():
         raise RecipeError(
@@ -273,7 +263,7 @@ def _plan_stage(label: str, i: int, stage: StageSpec, address: str) -> StagePlan
             raise RecipeError(
                 f"recipe {label}: stages.{i}: algorithm {stage.algorithm!r} does not quantize "
                 f"{'FP8' if scheme.is_fp8 else 'int'} schemes; algorithms that do: {', '.join(able)}")
-    return StagePlan(i, address, stage, algo, config, scheme)
+    return ResolvedStage(i, address, stage, algo, config, scheme, explicit)
 
 
 def _format_errors(label: str, exc: ValidationError, root: type[BaseModel], prefix: str = "") -> str:
@@ -313,6 +303,18 @@ def _inner_model(annotation: Any) -> Any:
             if isinstance(inner, type) and issubclass(inner, BaseModel):
                 return inner
     return annotation
+
+
+def apply_overrides(raw: dict, items: list[str]) -> tuple[dict, frozenset]:
+    """raw with every `--set` item applied in order, and the stages whose group size an item gave (a
+    `stages.<i>.scheme.group_size` or a whole `stages.<i>.scheme`), found as the item is parsed."""
+    explicit = set()
+    for item in items:
+        raw = apply_override(raw, item)
+        parts = item.partition("=")[0].strip().split(".")
+        if parts[0] == "stages" and len(parts) >= 3 and parts[2:] in (["scheme", "group_size"], ["scheme"]):
+            explicit.add(_index(raw["stages"], parts[1], item, stages=True) % len(raw["stages"]))
+    return raw, frozenset(explicit)
 
 
 def apply_override(raw: dict, item: str) -> dict:

@@ -18,7 +18,7 @@ REPORTS = "crash-reports"  # under the cache directory
 def save_report(exc: BaseException, argv: Sequence[str]) -> Path:
     """Write `exc`'s traceback with the command line and versions to a new file under the cache directory
     (a temporary directory when that cannot be written); returns the file."""
-    from quantkit.paths import cache_dir
+    from quantkit.platform.paths import cache_dir
 
     text = "".join([
         f"quantkit {__version__}, python {platform.python_version()}, {platform.platform()}\n",

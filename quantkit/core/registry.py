@@ -1,7 +1,7 @@
 """Explicit name -> object registries for algorithms, checkpoint formats and architecture adapters.
 
 A leaf: it imports no plugin. Plugins add themselves here when imported (the built-ins are imported
-by `quantkit.builtins`, which `quantkit.catalog`, the one place plugins are looked up, imports);
+by `quantkit.plugins.builtins`, which `quantkit.plugins.catalog`, the one place plugins are looked up, imports);
 third-party packages register through the `quantkit.plugins` entry point group (see `load_plugins`).
 """
 
@@ -86,7 +86,7 @@ _plugins_loaded = False
 
 def load_plugins() -> None:
     """Import every `quantkit.plugins` entry point, once per process (the built-ins are already
-    registered by whoever looks things up: `quantkit.catalog` imports `quantkit.builtins`).
+    registered by whoever looks things up: `quantkit.plugins.catalog` imports `quantkit.plugins.builtins`).
 
     An entry point may name a module (importing it registers things) or a callable (called with
     no arguments). A plugin that fails to import raises PluginError naming the plugin.

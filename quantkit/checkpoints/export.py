@@ -10,9 +10,9 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from quantkit.catalog import checkpoint_namer
-from quantkit.atomic import atomic_output_dir
-from quantkit.finite import check_output
+from quantkit.plugins.catalog import checkpoint_namer
+from quantkit.checkpoints.atomic import atomic_output_dir
+from quantkit.checkpoints.finite import check_output
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, copy_passthrough, write_json, write_weights
 from quantkit.formats.lazy import LazyCheckpoint
 

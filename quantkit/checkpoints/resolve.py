@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from quantkit.errors import ModelNotFoundError
-from quantkit.models.demo import DEMO_MODELS, demo_model_dir
+from quantkit.checkpoints.demo import DEMO_MODELS, demo_model_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -39,12 +39,12 @@ def resolve_model(spec: Optional[str]) -> Path:
 
 def gguf_checkpoint(file: Path) -> Path:
     """A GGUF file as a checkpoint directory: converted once (Q8_0 / Q4_0 linears kept exact,
-    `quantkit.models.gguf`) into quantkit's cache, keyed by the file's path, size and mtime."""
+    `quantkit.checkpoints.from_gguf`) into quantkit's cache, keyed by the file's path, size and mtime."""
     import hashlib
     import logging
 
-    from quantkit.models.gguf import convert_gguf
-    from quantkit.paths import cache_dir, cache_entry_lock
+    from quantkit.checkpoints.from_gguf import convert_gguf
+    from quantkit.platform.paths import cache_dir, cache_entry_lock
 
     st = file.stat()
     key = hashlib.sha256(f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]

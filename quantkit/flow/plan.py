@@ -2,7 +2,7 @@
 checkpoint size before and after, peak host and device memory by the onloaded job's accounting,
 disk, KV-cache bytes, and a time estimate from throughput measured on this machine.
 
-The memory accounting follows what the onloaded job holds (`quantkit.onload`, `quantkit.pipeline`):
+The memory accounting follows what the onloaded job holds (`quantkit.flow.onload`, `quantkit.flow.pipeline`):
 the process itself (`process_bytes`: measured, and more on a CUDA device, whose libraries and context live
 in host memory too) and, when calibrating, its imports, text and tokenizer,
 then the larger of
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from quantkit.pipeline import Stage
+from quantkit.flow.pipeline import Stage
 
 # Measured (RSS sampled every 5 ms through a quantize run; SmolLM2, Gemma and tiny models):
 BASE_PROCESS_BYTES = 470_000_000  # torch, transformers and quantkit imported
@@ -167,7 +167,7 @@ class Throughput:
     def measure(cls, dtype: torch.dtype) -> "Throughput":
         from quantkit.quant.intq import rtn, sqnr_db
         from quantkit.quant.packing import pack_int32
-        from quantkit.schemes import QuantScheme
+        from quantkit.quant.schemes import QuantScheme
 
         a, b = torch.randn(256, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
         a @ b
@@ -251,7 +251,7 @@ def _activations(cal, calibrates: bool, needs_bos: bool, nproc: int, hidden: int
     """(calibration tokens, this rank's share of the batches, activation bytes of one layer's inputs, bytes
     held in memory (inputs and outputs of a layer, within the budget), bytes spilled to disk)."""
     tokens = cal.num_samples * (cal.seq_len + (1 if needs_bos else 0)) if calibrates else 0
-    # nproc ranks (`quantkit.distributed`): each holds its share of the batches' activations
+    # nproc ranks (`quantkit.calibration.distributed`): each holds its share of the batches' activations
     batches = math.ceil(cal.num_samples / cal.batch_size)
     share = math.ceil(batches / nproc) / batches if calibrates else 0
     act = int(tokens * share) * hidden * itemsize
@@ -289,7 +289,7 @@ def _peaks(device: torch.device, nproc: int, scan: int, base: int, process: int,
 def disk_needed(checkpoint_bytes: int, activation_bytes: int, spill_bytes: int) -> int:
     """Disk of a layer-by-layer run: the run's resumable state (every finished layer's tensors, and the
     activations at the last layer boundary, written beside the previous copy before it is replaced,
-    `quantkit.resume`), the output assembled from it, and calibration activations spilled past the budget."""
+    `quantkit.flow.resume`), the output assembled from it, and calibration activations spilled past the budget."""
     return 2 * checkpoint_bytes + 2 * activation_bytes + spill_bytes
 
 

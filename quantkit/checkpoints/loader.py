@@ -1,6 +1,6 @@
 """`quantkit.load`: build a model from a checkpoint directory, quantized modules included.
 
-The inverse of `quantkit.export`, used alike by the quantize job (its source model), eval and
+The inverse of `quantkit.checkpoints.export`, used alike by the quantize job (its source model), eval and
 the runner. The model skeleton is built with empty (meta) parameters, quantized linears are
 swapped in as the checkpoint's `quantization_config` says, then every tensor is assigned from
 safetensors. The kernel request (QUANTKIT_KERNEL) is read while loading, by each quantized linear as it is
@@ -19,15 +19,15 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from quantkit import compute, devices
-from quantkit.catalog import architecture_names, checkpoint_namer, find_adapter
+from quantkit.platform import compute, devices
+from quantkit.plugins.catalog import architecture_names, checkpoint_namer, find_adapter
 from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
-from quantkit.finite import find_nonfinite
+from quantkit.checkpoints.finite import find_nonfinite
 from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, checkpoint_dtype, iter_tensors, read_config
-from quantkit.quantization_config import LoadPlan, parse_quantization_config
+from quantkit.checkpoints.quantization_config import QuantizedLayout, parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
-from quantkit.models.resolve import resolve_model
+from quantkit.checkpoints.resolve import resolve_model
 from quantkit.kernels.select import forced_kernel
 from quantkit.kernels.wide_matmul import wrap_forward
 from quantkit.qmodules.fp8_linear import plan_dense_cache
@@ -43,10 +43,10 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
          device: Union[str, torch.device, None] = "cpu", offload: Optional[str] = "none",
          workload: str = "batch", remeasure: bool = False, finite: bool = True) -> PreTrainedModel:
     """Load a plain or compressed-tensors checkpoint onto `device` (cpu by default; "auto" takes CUDA when
-    present, `quantkit.devices`; a device asked for and missing is an error).
+    present, `quantkit.platform.devices`; a device asked for and missing is an error).
 
     dtype: compute dtype of the float parameters: a torch dtype, a name, or None / "auto" for the
-    machine's fast dtype that holds the checkpoint's weights exactly (`quantkit.compute`; bf16 only
+    machine's fast dtype that holds the checkpoint's weights exactly (`quantkit.platform.compute`; bf16 only
     where the CPU computes it fast). Quantized modules keep their packed integers and stored scales
     whatever the dtype. The choice is kept as `model.quantkit_compute`, the device as `model.quantkit_device`.
 
@@ -93,7 +93,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     return model
 
 
-def _describe(path: Union[str, Path, None]) -> tuple[Path, Optional[LoadPlan], torch.dtype, object]:
+def _describe(path: Union[str, Path, None]) -> tuple[Path, Optional[QuantizedLayout], torch.dtype, object]:
     """A checkpoint's resolved path, quantization plan (None: not quantized), stored dtype and transformers
     config (without its quantization_config: quantkit builds quantized modules itself)."""
     path = resolve_model(None if path is None else str(path))
@@ -115,7 +115,7 @@ def decode_plan_for(path: Union[str, Path, None], dtype: Union[torch.dtype, str,
                           lambda: _layer_kinds(config, plan, stored), remeasure)
 
 
-def _skeleton(path: Path, config, plan: Optional[LoadPlan], dtype: torch.dtype):
+def _skeleton(path: Path, config, plan: Optional[QuantizedLayout], dtype: torch.dtype):
     """The model with empty (meta) parameters in `dtype`, quantized linears swapped in. Returns (model,
     its architecture adapter or None, the names of the quantized linears)."""
     with init_empty_weights(include_buffers=False):
@@ -208,7 +208,7 @@ def compute_choice(dtype: Union[torch.dtype, str, None], storage: torch.dtype, d
                                  wide_matmuls=compute.needs_wide_matmuls(dtype, device)), plan
 
 
-def _layer_kinds(config, plan: Optional[LoadPlan], stored: torch.dtype) -> dict:
+def _layer_kinds(config, plan: Optional[QuantizedLayout], stored: torch.dtype) -> dict:
     """The layer kinds of the model `config` and `plan` describe (quantized linears as they will load, with
     scales in the checkpoint's dtype), from a skeleton that holds no tensors at all."""
     with init_empty_weights(include_buffers=True):
@@ -223,7 +223,7 @@ def _layer_kinds(config, plan: Optional[LoadPlan], stored: torch.dtype) -> dict:
 def _fits_in_float32(path: Path) -> bool:
     """Whether the checkpoint's tensors, every float one as float32, fit in memory by the rule of
     `--offload auto` (`runtime.offload.choose`): from the safetensors headers, nothing read."""
-    from quantkit.memory import available_memory
+    from quantkit.platform.memory import available_memory
 
     total = offload_mod.in_memory_bytes(LazyCheckpoint(path, lambda name: name), torch.float32, lambda owner: False)
     return not offload_mod.choose("auto", total, available=available_memory()).offloaded
@@ -265,7 +265,7 @@ def prepare_kernels(model: nn.Module, dtype: torch.dtype) -> dict[str, int]:
     return counts
 
 
-def _swap_quantized_modules(model: nn.Module, plan: LoadPlan, dtype: torch.dtype) -> set[str]:
+def _swap_quantized_modules(model: nn.Module, plan: QuantizedLayout, dtype: torch.dtype) -> set[str]:
     swapped = set()
     ckpt = checkpoint_namer(model)  # the config's targets/ignore use checkpoint names
     for name, module in list(model.named_modules()):
@@ -303,7 +303,7 @@ def _assign_tensors(model: nn.Module, path: Path, quantized: set[str], dtype: to
     slots in `elsewhere` are filled later (offloaded layers) and were checked by their owner.
 
     own: copy every tensor the file maps (safetensors' tensors are views of the mapped file) into the process's
-    own memory (huge pages, `quantkit.allocator`): one-token GEMVs read those faster (an AMX Xeon, Gemma 3's
+    own memory (huge pages, `quantkit.platform.allocator`): one-token GEMVs read those faster (an AMX Xeon, Gemma 3's
     262144 x 640 bf16 head by torch.mv: 30 ms mapped, 22 ms copied, interleaved runs).
     finite: refuse NaN/Inf in any of them, naming them, before anything is assigned."""
     expected = dict(model.state_dict(keep_vars=True))

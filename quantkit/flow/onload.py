@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from quantkit.arch.adapter import ArchitectureAdapter
 from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
-from quantkit.compute import holds_exactly
-from quantkit.export import as_stored_exactly, fixed_dtype_keys
-from quantkit.finite import check_output, find_nonfinite, refuse_or_zero, zero_nonfinite
+from quantkit.platform.compute import holds_exactly
+from quantkit.checkpoints.export import as_stored_exactly, fixed_dtype_keys
+from quantkit.checkpoints.finite import check_output, find_nonfinite, refuse_or_zero, zero_nonfinite
 from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, ShardWriter
 from quantkit.formats.lazy import LazyCheckpoint
 

@@ -1,7 +1,7 @@
 """The one place plugins are looked up: algorithms, checkpoint formats and architecture adapters.
 
-`quantkit.registry` is a leaf that holds names; plugins import it to add themselves. This module
-imports `quantkit.builtins` (which registers the built-in plugins), so every lookup here sees them
+`quantkit.core.registry` is a leaf that holds names; plugins import it to add themselves. This module
+imports `quantkit.plugins.builtins` (which registers the built-in plugins), so every lookup here sees them
 and, through the registry, the third-party `quantkit.plugins` entry points. Code that uses plugins
 (recipes, the pipeline, export, loading, evaluation, the CLI) looks them up here and never in the
 registry directly, so no plugin ever has to import what looks it up.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional
 
-import quantkit.builtins  # noqa: F401  (importing it registers the built-in plugins)
+import quantkit.plugins.builtins  # noqa: F401  (importing it registers the built-in plugins)
 from quantkit.errors import QuantizationError, UnsupportedArchitectureError
-from quantkit.registry import ALGORITHMS, ARCHITECTURES, FORMATS
+from quantkit.core.registry import ALGORITHMS, ARCHITECTURES, FORMATS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from quantkit.algorithms.base import Algorithm
     from quantkit.arch.adapter import ArchitectureAdapter
     from quantkit.formats.base import QuantFormat
-    from quantkit.schemes import QuantScheme
+    from quantkit.quant.schemes import QuantScheme
 
 
 # -- algorithms --------------------------------------------------------------------------------

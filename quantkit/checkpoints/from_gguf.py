@@ -25,8 +25,8 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
     transformers' GGUF-loaded model refuses `save_pretrained`, so a fresh model is built from
     the config (without the GGUF quantization_config) and given the dequantized state dict.
     """
-    from quantkit.atomic import check_output_free
-    from quantkit.export import export_checkpoint
+    from quantkit.checkpoints.atomic import check_output_free
+    from quantkit.checkpoints.export import export_checkpoint
 
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
@@ -47,7 +47,7 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: torch.dtype = torch.bfloat16
         model.generation_config.save_pretrained(tok_dir)
         marker = {"quantkit_version": __version__, "converted_from": str(gguf_file.resolve()),
                   "dtype": str(dtype).removeprefix("torch.")}
-        from quantkit.quantization_config import build_quantization_config
+        from quantkit.checkpoints.quantization_config import build_quantization_config
 
         qc = build_quantization_config(model, quantized) if quantized else None
         export_checkpoint(model, Path(out), storage_dtype=dtype, source=tok_dir, overwrite=overwrite,

@@ -27,7 +27,7 @@ WORK_MARKER = ".quantkit-work.json"  # inside a hidden work directory while it i
 # .NAME.tmp-*: the output being written; .NAME.old-*: the output being replaced; .NAME.act-*: a run's scratch
 # files (calibration activations waiting on disk)
 WORK_KINDS = ("tmp", "old", "act")
-# .NAME.run: a layer-by-layer run's resumable state (`quantkit.resume`); kept after the run stops, removed by
+# .NAME.run: a layer-by-layer run's resumable state (`quantkit.flow.resume`); kept after the run stops, removed by
 # --restart, by `quantkit clean`, or when the run finishes, never by the next run's cleanup of leftovers
 RUN_SUFFIX = ".run"
 UNMARKED_GRACE_SECONDS = 600  # a work directory without a marker (older quantkit) is stale after this

@@ -2,7 +2,7 @@
 
 The config is the contract: the loader decides which module is quantized how from
 `config_groups` and `ignore` alone, never from tensor names. It names formats and architectures,
-so it looks them up in `quantkit.catalog` (it sits above the format plugins, not among them).
+so it looks them up in `quantkit.plugins.catalog` (it sits above the format plugins, not among them).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from torch import nn
 
 from quantkit.errors import CheckpointError, UnknownNameError
 from quantkit.formats.base import QuantFormat
-from quantkit.catalog import checkpoint_namer, quant_format
-from quantkit.schemes import QuantScheme
-from quantkit.targets import matches
+from quantkit.plugins.catalog import checkpoint_namer, quant_format
+from quantkit.quant.schemes import QuantScheme
+from quantkit.formats.targets import matches
 
 log = logging.getLogger(__name__)
 QUANT_METHOD = "compressed-tensors"
@@ -68,7 +68,7 @@ class GroupPlan:
 
 
 @dataclass(frozen=True)
-class LoadPlan:
+class QuantizedLayout:
     """Which modules of a checkpoint are quantized, with which format and scheme."""
 
     groups: tuple[GroupPlan, ...]
@@ -84,8 +84,8 @@ class LoadPlan:
         return None
 
 
-def parse_quantization_config(qc: dict, where: str) -> LoadPlan:
-    """Validate a compressed-tensors quantization_config and turn it into a LoadPlan."""
+def parse_quantization_config(qc: dict, where: str) -> QuantizedLayout:
+    """Validate a compressed-tensors quantization_config and turn it into a QuantizedLayout."""
     method = qc.get("quant_method")
     if method != QUANT_METHOD:
         raise CheckpointError(
@@ -118,4 +118,4 @@ def parse_quantization_config(qc: dict, where: str) -> LoadPlan:
         except CheckpointError as exc:
             raise CheckpointError(f"{where}: {exc}") from None
         groups.append(GroupPlan(gname, tuple(group.get("targets") or ()), fmt, scheme))
-    return LoadPlan(tuple(groups), tuple(qc.get("ignore") or ()), kv.get("strategy") if kv else None)
+    return QuantizedLayout(tuple(groups), tuple(qc.get("ignore") or ()), kv.get("strategy") if kv else None)

@@ -25,7 +25,7 @@ from torch import nn
 
 from quantkit.errors import CheckpointError, OutputExistsError
 from quantkit.formats.checkpoint import read_config
-from quantkit.quantization_config import parse_quantization_config
+from quantkit.checkpoints.quantization_config import parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.gguf import grids, metadata, mixture
 from quantkit.quant import ggml_blocks as blocks
@@ -33,7 +33,7 @@ from quantkit.quant import ggml
 from quantkit.quant.ggml import KIND
 from quantkit.quant.intq import rtn
 from quantkit.quant.packing import unpack_int32
-from quantkit.schemes import PRESETS, QuantScheme
+from quantkit.quant.schemes import PRESETS, QuantScheme
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,8 @@ layer goes to the device for its turn and back after it.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
-from functools import reduce
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Optional, Protocol
 
@@ -32,14 +30,15 @@ from quantkit.calibration.activations import Activations
 from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, observe_layer, run_layer
 from quantkit.calibration.lockstep import drive_in_lockstep
 from quantkit.errors import QuantizationError
-from quantkit.catalog import checkpoint_namer, format_for
+from quantkit.plugins.catalog import format_for
 from quantkit.formats.base import QuantFormat
-from quantkit.memory import release_free_memory
+from quantkit.platform.memory import release_free_memory
 from quantkit.quant.ggml import is_block_grid
 from quantkit.quant.intq import sqnr_db
-from quantkit.recipe import Recipe, StageSpec
-from quantkit.schemes import PRESETS, QuantScheme, resolve_scheme
-from quantkit.targets import select_linears
+from quantkit.flow.layer_schemes import layer_schemes
+from quantkit.flow.recipe import Recipe, StageSpec
+from quantkit.quant.schemes import QuantScheme
+from quantkit.formats.targets import select_linears
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class Stage:
     schemes: dict[str, QuantScheme] = field(default_factory=dict)  # transforms: the scheme each target gets later
     # quantizing stages: linears whose inputs the scheme's group size does not divide, with the smaller group they get
     fallbacks: dict[str, QuantScheme] = field(default_factory=dict)
-    address: str = ""  # how --set names the stage (`StagePlan.address`)
+    address: str = ""  # how --set names the stage (`ResolvedStage.address`)
     # a per-tensor mixture scheme (Q4_K_M): the ggml grid each linear gets, as llama.cpp chooses it
     mixture: dict[str, QuantScheme] = field(default_factory=dict)
 
@@ -101,7 +100,7 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
     """Instantiate each stage's algorithm and resolve its target modules, validating up front."""
     stages, claimed = [], {}
     layers_prefix = adapter.layers_path + "."
-    for planned in recipe.plan:
+    for planned in recipe.resolved:
         i, spec, algo_cls, scheme = planned.index, planned.spec, planned.algorithm, planned.scheme
         if not algo_cls.produces_weights and scheme is not None:
             raise QuantizationError(
@@ -123,10 +122,7 @@ def build_stages(model: nn.Module, adapter: ArchitectureAdapter, recipe: Recipe)
             )
         fallbacks, mixture = {}, {}
         if algo_cls.produces_weights:
-            if scheme.grid == "q4_k_m":
-                mixture = _ggml_mixture(model, names, i)
-            else:
-                fallbacks = _fit_group_size(model, names, scheme, i, recipe.group_size_set(i))
+            fallbacks, mixture = layer_schemes(model, names, scheme, i, planned.group_size_explicit)
             twice = [n for n in names if n in claimed]
             if twice:
                 raise QuantizationError(
@@ -195,59 +191,6 @@ def _assign_later_schemes(stage: Stage, stages: list[Stage], claimed: dict[str, 
             f"stage {claimed[fp8[0]]}; FP8's per-channel scales need no such transform: drop stage {stage.index}")
 
 
-FALLBACK_GROUP_SIZES = (64, 32)  # for a layer a recipe's default group size does not divide, the largest that does
-
-
-def _fit_group_size(model: nn.Module, names: list[str], scheme: QuantScheme, stage: int,
-                    explicit: bool) -> dict[str, QuantScheme]:
-    """The linears whose in_features the group size does not divide, each with the scheme it gets
-    instead: the largest of FALLBACK_GROUP_SIZES that divides it. A group size given by --set
-    (`explicit`), or a layer no fallback fits, is an error naming the layer and the sizes that fit."""
-    if scheme.strategy != "group":
-        return {}
-    sizes = {n: model.get_submodule(n).in_features for n in names}
-    bad = [n for n, k in sizes.items() if k % scheme.group_size]
-    if not bad:
-        return {}
-    fitting = {n: next((g for g in FALLBACK_GROUP_SIZES if g < scheme.group_size and sizes[n] % g == 0), None)
-               for n in bad}
-    if not explicit and all(fitting.values()):
-        return {n: scheme.model_copy(update={"group_size": g}) for n, g in fitting.items()}
-    common = reduce(math.gcd, sizes.values())
-    fits = [g for g in (16, 32, 64, 128, 256) if common % g == 0]
-    raise QuantizationError(
-        f"group_size {scheme.group_size} does not divide in_features {sizes[bad[0]]} of layer {bad[0]}"
-        + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
-        + f"; group sizes that divide every targeted layer: {', '.join(map(str, fits)) or 'none (use strategy channel)'}"
-        + f" -- e.g. --set stages.{stage}.scheme.group_size={fits[-1] if fits else 64}"
-    )
-
-
-def _ggml_mixture(model: nn.Module, names: list[str], stage: int) -> dict[str, QuantScheme]:
-    """Each linear's ggml grid under llama.cpp's Q4_K_M rule (`quantkit.gguf.mixture`: Q4_K, Q6_K on the
-    layers it picks for attn_v / ffn_down, its fallbacks Q5_0 / Q8_0 where a row is not whole super-blocks)."""
-    from quantkit.gguf import metadata, mixture
-
-    config = model.config
-    namer = metadata.tensor_namer(config.model_type, config.num_hidden_layers)
-    ckpt = checkpoint_namer(model)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    out = {}
-    for name in names:
-        linear = model.get_submodule(name)
-        gname = namer(ckpt(name) + ".weight")
-        if gname is None:
-            raise QuantizationError(f"stage {stage}: {name} has no GGUF tensor name for {config.model_type}; "
-                                    f"add it to stages.{stage}.ignore")
-        kind = mixture.tensor_type(gname, (linear.out_features, linear.in_features), "Q4_K_M", tied,
-                                   config.num_hidden_layers)
-        if kind not in PRESETS:
-            raise QuantizationError(f"stage {stage}: {name} ({linear.in_features} inputs) has no Q4_K_M type "
-                                    f"(llama.cpp keeps it {kind}); add it to stages.{stage}.ignore")
-        out[name] = resolve_scheme(kind, {})
-    return out
-
-
 def _by_scheme(groups: list[list[str]], scheme_of: dict[str, QuantScheme]) -> list[list[str]]:
     """Input-sharing groups split where their linears get different schemes (a mixture's attn_v in Q6_K
     beside q/k in Q5_0): each part is solved on its own (with its own Hessian of the same inputs)."""
@@ -294,7 +237,7 @@ def quantize_model(
     activations: where the calibration activations are kept (with a memory budget and a spill directory);
     by default in memory without a limit.
 
-    Resuming (`quantkit.resume`): layers before `start_layer` are done (`result` holds their report);
+    Resuming (`quantkit.flow.resume`): layers before `start_layer` are done (`result` holds their report);
     `resume_hidden` are the calibration activations entering `start_layer` (the other layers' arguments
     are captured again, which runs only the embeddings). on_layer_done(index, inputs, result) is called
     after each layer is handed back to the store, with the next layer's inputs in `inputs`."""

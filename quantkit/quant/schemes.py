@@ -12,7 +12,7 @@ import torch
 from pydantic import ConfigDict, field_validator, model_validator
 
 from quantkit.errors import RecipeError
-from quantkit.validation import StrictModel
+from quantkit.core.validation import StrictModel
 
 
 class ActivationScheme(StrictModel):
@@ -63,6 +63,7 @@ class QuantScheme(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _no_default_group(cls, data):
+        """The one rule for a group size nobody gave: 128 for strategy group, none for the others."""
         if isinstance(data, dict) and data.get("strategy") in ("channel", "tensor", "block") and "group_size" not in data:
             data = {**data, "group_size": None}
         return data
@@ -204,6 +205,6 @@ def resolve_scheme(preset: Optional[str], overrides: dict) -> QuantScheme:
     fields.update(overrides)
     if isinstance(base_acts, dict) and isinstance(overrides.get("input_activations"), dict):
         fields["input_activations"] = {**base_acts, **overrides["input_activations"]}  # override single fields
-    if fields.get("strategy") in ("channel", "tensor", "block") and "group_size" not in overrides:
-        fields["group_size"] = None
+    if "group_size" not in overrides and fields.get("strategy", "group") != "group":
+        fields.pop("group_size", None)  # a preset's size does not follow it to another strategy (`_no_default_group`)
     return QuantScheme(**fields)

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from quantkit.atomic import RUN_SUFFIX
+from quantkit.checkpoints.atomic import RUN_SUFFIX
 from quantkit.errors import QuantizationError
 
 MANIFEST, STATE, HIDDEN = "manifest.json", "state.json", "hidden.safetensors"
@@ -135,7 +135,7 @@ class RunState:
     @classmethod
     def open(cls, out: Path, manifest: dict, resume: bool, restart: bool,
              notify: Callable[[str], None]) -> "RunState":
-        from quantkit.atomic import WORK_MARKER, _owner_alive, _write_marker
+        from quantkit.checkpoints.atomic import WORK_MARKER, _owner_alive, _write_marker
 
         path = run_dir(out)
         if path.is_dir() and (path / WORK_MARKER).exists() and _owner_alive(path):
@@ -223,7 +223,7 @@ class RunState:
 
     def release(self) -> None:
         """The run stopped (an error, Ctrl-C): no process owns the directory any more."""
-        from quantkit.atomic import WORK_MARKER
+        from quantkit.checkpoints.atomic import WORK_MARKER
 
         (self.path / WORK_MARKER).unlink(missing_ok=True)
 

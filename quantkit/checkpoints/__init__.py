@@ -1,0 +1,1 @@
+"""Checkpoints in and out: finding a model (local path, demo name, GGUF file), loading one with its quantized modules, writing one atomically (compressed-tensors, GGUF), and the quantization_config contract between them."""

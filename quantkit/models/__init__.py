@@ -1,1 +1,0 @@
-"""Finding models: local directories, cached demo models, hub ids; demo fetch and GGUF conversion."""
