@@ -22,7 +22,7 @@ from quantkit.calibration import distributed
 from quantkit.calibration.activations import Activations, Budget
 from quantkit.checkpoints.atomic import check_free_space, check_output_free, check_writable, clean_stale_for, scratch_dir
 from quantkit.checkpoints.finite import check_source
-from quantkit.checkpoints.loader import compute_choice, load, model_config
+from quantkit.checkpoints.loader import checkpoint_dtype, compute_choice, load, model_config
 from quantkit.checkpoints.resolve import resolve_model
 from quantkit.errors import QuantizationError
 from quantkit.flow import resume as resume_mod
@@ -36,7 +36,6 @@ from quantkit.flow.sources import (calibration_batches, check_given_batches, flo
 from quantkit.flow.write import run_layers, run_silent, write_whole
 from quantkit.formats import model_config as model_fields
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, read_config
-from quantkit.checkpoints.loader import checkpoint_dtype
 from quantkit.kernels.wide_matmul import widened
 from quantkit.platform import compute, devices
 from quantkit.platform.memory import PeakSampler, available_memory
@@ -192,9 +191,10 @@ class _Job:
         model, onloaded, zeroed = self.load_source()
         stages = build_stages(model, self.adapter, self.recipe)
         record = self.record(report_fallbacks(stages, opts.notify), zeroed)
-        record.plan = self.plan_run(model, stages).to_json()
+        budget = activation_budget(self.where.device, opts.activation_budget_bytes)  # one figure: planned and kept
+        record.plan = self.plan_run(model, stages, budget).to_json()
         scratch = ExitStack()
-        batches, activations = self.calibration(stages, model, scratch)
+        batches, activations = self.calibration(stages, model, budget, scratch)
         writes = self.world.is_writer and self.out is not None
         state = self.run_state(batches) if onloaded is not None and writes else None
 
@@ -260,7 +260,7 @@ class _Job:
         onloaded = OnloadedModel(model, self.source, self.adapter, self.choice.dtype, self.storage)
         return model, onloaded, onloaded.check_finite(opts.zero_nonfinite, opts.notify)
 
-    def plan_run(self, model, stages) -> Plan:
+    def plan_run(self, model, stages, budget: Optional[int]) -> Plan:
         """The run's plan, said in one line; a layer-by-layer run that would not fit memory, or any run that would
         not fit the disk, is refused now."""
         opts, where = self.opts, self.where
@@ -268,8 +268,7 @@ class _Job:
         the_plan = make_plan(model, stages, self.adapter, self.recipe, model_name=str(self.source or "the model"),
                              device=where.device, compute_dtype=self.choice.dtype, storage_dtype=self.storage,
                              checkpoint_bytes=checkpoint_bytes,
-                             activation_budget=activation_budget(where.device, opts.activation_budget_bytes),
-                             throughput=None, nproc=self.world.size, tokenizer_bytes=tokenizer_file_bytes(self.source))
+                             activation_budget=budget, throughput=None, nproc=self.world.size, tokenizer_bytes=tokenizer_file_bytes(self.source))
         opts.notify(f"plan: peak memory ~{the_plan.peak_host_bytes / 1e9:.2f} GB"
                     + (f" host, ~{the_plan.peak_device_bytes / 1e9:.2f} GB {where.device}" if where.is_accelerator
                        else "")
@@ -280,8 +279,8 @@ class _Job:
             check_free_space(self.out, the_plan.disk_bytes)
         return the_plan
 
-    def calibration(self, stages, model, scratch: ExitStack):
-        """(this rank's calibration batches or None, where their activations live)."""
+    def calibration(self, stages, model, budget: Optional[int], scratch: ExitStack):
+        """(this rank's calibration batches or None, where their activations live: in memory up to `budget`)."""
         opts, world = self.opts, self.world
         if opts.batches is not None:
             check_given_batches(opts.batches, self.raw, str(self.source or "the model"))
@@ -300,8 +299,8 @@ class _Job:
             batches = world.shard(batches)  # batch i to rank i mod N
         if self.out is None:
             return batches, Activations()  # in memory: there is no output beside which they could wait on disk
-        return batches, _activations(batches, model.config.hidden_size, self.choice.dtype, self.where.device,
-                                     opts.activation_budget_bytes, self.out, scratch, opts.notify)
+        return batches, _activations(batches, model.config.hidden_size, self.choice.dtype, budget, self.out, scratch,
+                                     opts.notify)
 
     def run_state(self, batches) -> "resume_mod.RunState":
         """The resumable state of a layer-by-layer run (a stopped one continued with `resume`)."""
@@ -334,12 +333,11 @@ def report_fallbacks(stages: list[Stage], notify: Callable[[str], None]) -> list
     return records
 
 
-def _activations(batches: list[torch.Tensor], hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 budget: Optional[int], out: Path, scratch: ExitStack, notify: Callable[[str], None]) -> Activations:
+def _activations(batches: list[torch.Tensor], hidden_size: int, dtype: torch.dtype, budget: Optional[int], out: Path,
+                 scratch: ExitStack, notify: Callable[[str], None]) -> Activations:
     """Where the calibration activations live: in memory up to the budget, the rest in a scratch directory
     (made only when they do not fit; said so, with the numbers)."""
     need = sum(b.numel() for b in batches) * hidden_size * dtype.itemsize
-    budget = activation_budget(device, budget)
     if budget is None or need <= budget:
         return Activations(Budget(budget))
     spill = scratch.enter_context(scratch_dir(out))

@@ -98,7 +98,8 @@ class QuantizeRecord:
             "layers": self.result.layers,
         }
 
-    def files(self) -> dict[str, str]:
-        """What is written beside the weights: recipe.yaml (the recipe as run) and quantkit.json."""
+    def files(self, extra_metadata: Optional[dict] = None) -> dict[str, str]:
+        """What is written beside the weights: recipe.yaml (the recipe as run) and quantkit.json (`extra_metadata`:
+        keys a caller of `quantkit.save` adds)."""
         return {"recipe.yaml": self.recipe.to_yaml(dataset=self.calibration_data),
-                "quantkit.json": json.dumps(self.metadata(), indent=2) + "\n"}
+                "quantkit.json": json.dumps({**self.metadata(), **(extra_metadata or {})}, indent=2) + "\n"}

@@ -3,7 +3,6 @@ finished layers go to its resumable state (`quantkit.flow.resume`) and are assem
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -28,14 +27,11 @@ def write_whole(model: nn.Module, record: QuantizeRecord, out: Path, *, overwrit
     """Write a quantized model in memory as a compressed-tensors checkpoint, atomically (`export_checkpoint`);
     the tensors that are still only the compute dtype's rounding of the source are written as stored."""
     result = record.result
-    files = record.files()
-    if extra_metadata:
-        files["quantkit.json"] = json.dumps({**record.metadata(), **extra_metadata}, indent=2) + "\n"
     source = record.source
     return export_checkpoint(
         model, Path(out), storage_dtype=record.storage_dtype, source=source,
         quantization_config=build_quantization_config(model, result.quantized, result.kv_cache_scheme),
-        extra_files=files, overwrite=overwrite, protect=[source] if source is not None else [],
+        extra_files=record.files(extra_metadata), overwrite=overwrite, protect=[source] if source is not None else [],
         keep_remote_code=keep_remote_code, notify=notify, max_shard_bytes=max_shard_bytes,
         stored=None if record.rounded_from is None else LazyCheckpoint(
             record.rounded_from, adapter_for(model.config.model_type).to_module_name))
