@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[gguf,triton,dev,eval]'
+	$(BIN)/pip install --quiet -e '.[gguf,triton,serve,dev,eval]'
 	touch $(STAMP)
 
 # The demo calibrates on 16 x 256 tokens with a coarser AWQ search (about a minute on 2 cores); the full-size run

@@ -54,3 +54,7 @@ class ContextLengthError(QuantkitError, ValueError):
 
 class IncompatibleModelsError(QuantkitError, ValueError):
     """Two models that must agree (a draft and its target, models scored against each other) do not."""
+
+
+class KVCapacityError(QuantkitError, ValueError):
+    """A request needs more KV-cache tokens than the engine's whole pool holds."""

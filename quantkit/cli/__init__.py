@@ -76,9 +76,10 @@ def _terminate_cleanly() -> None:
 
 def _register() -> None:
     from quantkit.cli import (clean, convert, doctor, eval_cmd, export, generate, models, plan, plugins, quantize,
-                              recipes, report)
+                              recipes, report, serve)
 
-    for module in (clean, convert, doctor, eval_cmd, export, generate, models, plan, plugins, quantize, recipes, report):
+    for module in (clean, convert, doctor, eval_cmd, export, generate, models, plan, plugins, quantize, recipes, report,
+                   serve):
         main.add_command(module.command)
     main.add_command(generate.chat_command)
 

@@ -141,10 +141,13 @@ def _check_model_not_prompt(spec: str) -> None:
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise click.UsageError("this model's tokenizer has no chat template; use `quantkit generate` with a plain prompt")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    from quantkit.runtime.chat import NoChatTemplateError, chat_prompt_ids
+
+    try:
+        return chat_prompt_ids(tokenizer, messages)
+    except NoChatTemplateError:
+        raise click.UsageError("this model's tokenizer has no chat template; use `quantkit generate` with a plain "
+                               "prompt") from None
 
 
 @click.command("generate")

@@ -1,0 +1,81 @@
+"""One model step over the scheduler's work: flat inputs, the paged attention layout, the logits to sample.
+
+The step's tokens (every sequence's share, `scheduler.Work`) are laid side by side in one row
+with their own positions; their slots in the pool come from each sequence's block table. The
+decoder runs through transformers' forward with `attention.paged_attention`, then the head runs
+only on the last token of each sequence that samples this step (`runtime.lean_decode.Head`:
+the head's GEMV choice and final logit soft-capping, as the runner computes logits).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import torch
+from torch import nn
+
+from quantkit.engine.attention import Chunk, DecodeGroup, StepLayout, configs_of, paged
+from quantkit.engine.kv_pool import KVPool
+from quantkit.engine.scheduler import Work
+from quantkit.runtime import lean_decode
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, pool: KVPool):
+        self.model, self.pool = model, pool
+        embed = model.get_input_embeddings().weight
+        self.device, self.dtype = embed.device, embed.dtype
+        self.block_size = pool.block_size
+        self.configs = configs_of(model)
+        if not lean_decode.head_apart(model):
+            raise ValueError(f"the engine does not run {model.config.model_type!r} models yet (supported: "
+                             f"{', '.join(lean_decode.HEAD_APART)})")
+        self.head = lean_decode.Head(model, self.device, self.dtype)
+
+    def _slots(self, blocks: list[int], start: int, stop: int) -> torch.Tensor:
+        pos = torch.arange(start, stop)
+        table = torch.tensor(blocks, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def layout(self, work: Seq[Work]) -> tuple[torch.Tensor, torch.Tensor, StepLayout]:
+        """(input ids [1, T], positions [1, T], the attention layout) of the step."""
+        ids, positions, slots, chunks, dec_rows, dec_slots = [], [], [], [], [], []
+        row = 0
+        for w in work:
+            seq = w.seq
+            ids.extend(seq.tokens[w.start : w.start + w.count])
+            positions.append(torch.arange(w.start, w.start + w.count))
+            context = self._slots(seq.blocks, 0, w.start + w.count)
+            slots.append(context[w.start:])
+            if w.count == 1 and w.start > 0:
+                dec_rows.append(row)
+                dec_slots.append(context)
+            else:
+                chunks.append(Chunk(row, w.count, context.to(self.device)))
+            row += w.count
+        decode = None
+        if dec_rows:
+            lengths = torch.tensor([s.shape[0] for s in dec_slots])
+            padded = torch.nn.utils.rnn.pad_sequence(dec_slots, batch_first=True, padding_value=0)
+            decode = DecodeGroup(torch.tensor(dec_rows, device=self.device), padded.to(self.device),
+                                 lengths.to(self.device))
+        layout = StepLayout(self.pool, torch.cat(slots).to(self.device), decode, chunks)
+        return (torch.tensor(ids, dtype=torch.long, device=self.device)[None],
+                torch.cat(positions).to(self.device)[None], layout)
+
+    @torch.no_grad()
+    def step(self, work: Seq[Work]) -> torch.Tensor:
+        """Compute the step; the logits [n, vocab] (float32, on the CPU) of the work items that
+        sample, in their order."""
+        ids, positions, layout = self.layout(work)
+        with paged(self.configs):
+            hidden = self.model.model(input_ids=ids, position_ids=positions, use_cache=False,
+                                      quantkit_step=layout).last_hidden_state
+        ends, row = [], 0
+        for w in work:
+            row += w.count
+            if w.sample:
+                ends.append(row - 1)
+        if not ends:
+            return torch.empty(0, 0)
+        return self.head(hidden[0, torch.tensor(ends, device=self.device)]).float().cpu()
