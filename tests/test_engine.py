@@ -155,21 +155,22 @@ def test_paged_attention_matches_dense(window, softcap):
     pool = KVPool(KVShape(1, kv_heads, d), 16, bs, torch.float32, torch.device("cpu"))
     free = list(torch.randperm(16).tolist())
     lengths, counts = [9, 13, 11, 6], [1, 1, 4, 6]  # context lengths after the step, new tokens
-    seqs = []
+    seqs, tables = [], []
     for length in lengths:
         k, v = torch.randn(kv_heads, length, d), torch.randn(kv_heads, length, d)
         blocks = [free.pop() for _ in range(-(-length // bs))]
         slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(length)])
         seqs.append((k, v, slots))
+        tables.append(torch.tensor(blocks))
     for (k, v, slots), n in zip(seqs, counts):  # the earlier context is already in the pool
         pool.write(0, k.transpose(0, 1)[:-n], v.transpose(0, 1)[:-n], slots[:-n])
     q = torch.randn(1, heads, sum(counts), d)
     new_k = torch.cat([k[:, -n:] for (k, _, _), n in zip(seqs, counts)], 1)[None]
     new_v = torch.cat([v[:, -n:] for (_, v, _), n in zip(seqs, counts)], 1)[None]
     step_slots = torch.cat([s[-n:] for (_, _, s), n in zip(seqs, counts)])
-    decode = DecodeGroup(torch.tensor([0, 1]), torch.nn.utils.rnn.pad_sequence([seqs[0][2], seqs[1][2]], True),
-                         torch.tensor(lengths[:2]))
-    chunks = [Chunk(2, 4, seqs[2][2]), Chunk(6, 6, seqs[3][2])]
+    decode = DecodeGroup(torch.tensor([0, 1]), torch.nn.utils.rnn.pad_sequence(tables[:2], True),
+                         torch.tensor(lengths[:2]), bs)
+    chunks = [Chunk(2, 4, lengths[2], tables[2]), Chunk(6, 6, lengths[3], tables[3])]
     layout = StepLayout(pool, step_slots, decode, chunks)
     out, _ = paged_attention(_Module(), q, new_k, new_v, None, scaling=0.3, sliding_window=window, softcap=softcap,
                              quantkit_step=layout)
@@ -220,3 +221,19 @@ def test_allocator_reuses_cached_blocks_and_evicts_least_recent():
     alloc.release(b1)
     with pytest.raises(RuntimeError, match="released more often"):
         alloc.release(b1)
+
+
+def test_plan_reports_the_tokens_the_serving_pool_holds(tiny_llama, tokenizer):
+    """`quantkit plan --kv-cache-gb` says how many tokens `quantkit serve --kv-cache-gb` gets, to the token."""
+    import dataclasses
+
+    from quantkit.checkpoints.loader import load
+    from quantkit.flow.job import plan
+    from quantkit.flow.recipe import load_recipe
+
+    result = dataclasses.replace(plan(str(tiny_llama), load_recipe("rtn-w4a16"), device="cpu", measure=False),
+                                 kv_pool_bytes=3 << 20)
+    model = load(tiny_llama, dtype=result.compute_dtype)
+    engine = Engine(model, tokenizer, EngineConfig(kv_cache_gb=3 / 1024))
+    assert engine.capacity_tokens == result.kv_pool_tokens > 0
+    assert f"--kv-cache-gb {3 / 1024:g}: {result.kv_pool_tokens} tokens" in result.format()

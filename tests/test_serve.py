@@ -276,3 +276,33 @@ def test_sigterm_finishes_running_requests_and_exits_0(tiny_llama, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_real_w4a16_model_serves_eight_streams_equal_to_generate(smollm2_rtn64):
+    """SmolLM2 W4A16 (float32 compute): eight concurrent streamed completions through the openai client, each
+    equal to `generate` on its prompt alone; then a chat answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from quantkit.calibration.data import load_text
+
+    model, tokenizer = load(smollm2_rtn64, dtype="float32", workload="decode"), load_tokenizer(smollm2_rtn64)
+    text = load_text("emma")
+    prompts = [text[i * 1500 : i * 1500 + 200 + 150 * i] for i in range(8)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    expected = [generate(model, tokenizer, tokenizer(p)["input_ids"], params).text for p in prompts]
+    with serving(model, tokenizer, "smollm2-w4", EngineConfig(kv_cache_gb=0.1, max_batched_tokens=128)) as (url, loop):
+        client = _client(url)
+
+        def one(prompt):
+            stream = client.completions.create(model="smollm2-w4", prompt=prompt, max_tokens=16, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in stream)
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, prompts)) == expected
+        chat = client.chat.completions.create(model="smollm2-w4", messages=[{"role": "user", "content": "Who was Emma?"}],
+                                              max_tokens=12, temperature=0)
+        assert chat.choices[0].message.content.strip() and chat.usage.completion_tokens <= 12
+        time.sleep(0.1)
+        loop.engine.allocator.check_idle()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,8 +18,10 @@ import click
 @click.option("--nproc", default=1, show_default=True, type=click.IntRange(min=1), help="Data-parallel processes (quantize --nproc): host memory for all of them, time shared.")
 @click.option("--activation-budget", type=click.FloatRange(min=0), metavar="GB",
               help="As for quantize [default: half the memory available now].")
+@click.option("--kv-cache-gb", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="The serving KV budget (`quantkit serve --kv-cache-gb`) whose size in tokens to report.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the plan as JSON (bytes).")
-def command(model, recipe_name, overrides, device, nproc, activation_budget, json_path):
+def command(model, recipe_name, overrides, device, nproc, activation_budget, kv_cache_gb, json_path):
     """Parameters, checkpoint size, peak memory, disk, KV cache and time of quantizing MODEL with a recipe.
 
     Reads only config.json (a directory holding just it will do), so it answers for models far larger
@@ -35,7 +38,8 @@ def command(model, recipe_name, overrides, device, nproc, activation_budget, jso
 
     recipe = load_recipe(recipe_name, list(overrides))
     budget = None if activation_budget is None else int(activation_budget * 1e9)
-    result = plan(model, recipe, device=device, activation_budget_bytes=budget, nproc=nproc)
+    result = dataclasses.replace(plan(model, recipe, device=device, activation_budget_bytes=budget, nproc=nproc),
+                                 kv_pool_bytes=int(kv_cache_gb * (1 << 30)))
     click.echo(result.format())
     if json_path:
         json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")

@@ -5,10 +5,10 @@ token has its own position. transformers' decoder layers compute q/k/v, their no
 usual and call the attention implementation registered here (`NAME`), which gets the step's
 layout (`StepLayout`) as the keyword `quantkit_step`. It writes the step's keys and values into
 the pool at their slots, then attends:
-  - decode tokens (one per sequence) at once: their contexts gathered from the pool into one
-    padded [B, Lmax] batch, one masked SDPA;
-  - each prefill chunk on its own: its context (cached prefix + earlier chunks + itself) gathered
-    by slot, causal within the chunk; a chunk with no earlier context attends to its own keys.
+  - decode tokens (one per sequence) at once: their contexts' blocks gathered from the pool into
+    one padded [B, blocks x block_size] batch, one masked SDPA;
+  - each prefill chunk on its own: its context's blocks (cached prefix + earlier chunks + itself)
+    gathered, causal within the chunk; a chunk with no earlier context attends to its own keys.
 Sliding-window layers (Gemma 3: the module passes `sliding_window`) see only keys with
 query position - key position < window, as transformers' masks do; where the module passes
 `softcap` (logit soft-capping), scores go through cap * tanh(s / cap) before the softmax.
@@ -35,14 +35,15 @@ class DecodeGroup:
     """The step's single-token sequences: their rows in the flat batch and their contexts' slots."""
 
     rows: torch.Tensor  # [B] token indices in the step
-    slots: torch.Tensor  # [B, Lmax], padded with slot 0
+    tables: torch.Tensor  # [B, n] their contexts' blocks, padded with block 0
     lengths: torch.Tensor  # [B] context lengths (the new token included)
+    block_size: int
     masks: dict = field(default_factory=dict)
 
     def mask(self, window: Optional[int]) -> Optional[torch.Tensor]:
-        """[B, 1, 1, Lmax] bool (True: attend), or None when nothing is masked."""
+        """[B, 1, 1, n x block_size] bool (True: attend), or None when nothing is masked."""
         if window not in self.masks:
-            j = torch.arange(self.slots.shape[1], device=self.slots.device)
+            j = torch.arange(self.tables.shape[1] * self.block_size, device=self.tables.device)
             keep = j[None] < self.lengths[:, None]
             if window is not None:
                 keep &= (self.lengths[:, None] - 1 - j[None]) < window
@@ -56,22 +57,23 @@ class Chunk:
 
     start: int
     count: int
-    slots: torch.Tensor  # [length] the context's slots
+    length: int
+    blocks: torch.Tensor  # [ceil(length / block_size)] the context's blocks
     masks: dict = field(default_factory=dict)
 
     @property
     def fresh(self) -> bool:
         """No earlier context: the chunk attends to its own keys only."""
-        return self.slots.shape[0] == self.count
+        return self.length == self.count
 
     def mask(self, window: Optional[int]) -> tuple[Optional[torch.Tensor], bool]:
         """(bool mask [count, length] or None, is_causal)."""
-        length = self.slots.shape[0]
+        length = self.length
         if self.fresh and (window is None or length <= window):
             return None, True
         if window not in self.masks:
-            q = torch.arange(length - self.count, length, device=self.slots.device)[:, None]
-            j = torch.arange(length, device=self.slots.device)[None]
+            q = torch.arange(length - self.count, length, device=self.blocks.device)[:, None]
+            j = torch.arange(length, device=self.blocks.device)[None]
             keep = j <= q
             if window is not None:
                 keep &= (q - j) < window
@@ -119,7 +121,7 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if step.decode is not None:
         g = step.decode
         q = query[0][:, g.rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, d]
-        k, v = step.pool.read(layer, g.slots)  # [B, Lmax, KVH, d]
+        k, v = step.pool.read(layer, g.tables)  # [B, Lmax, KVH, d]
         o = attend(q, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), g.mask(sliding_window), False, scaling, softcap)
         out[g.rows] = o[:, :, 0]
     for c in step.chunks:
@@ -127,7 +129,8 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         if c.fresh:
             k, v = step.pool.dequantized(layer, k_new[c.start:end], v_new[c.start:end])
         else:
-            k, v = step.pool.read(layer, c.slots)
+            k, v = step.pool.read(layer, c.blocks[None])
+            k, v = k[0, : c.length], v[0, : c.length]
         mask, causal = c.mask(sliding_window)
         o = attend(query[:, :, c.start:end], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, causal,
                    scaling, softcap)

@@ -75,9 +75,15 @@ class KVPool:
         self.keys[layer].index_copy_(0, slots, keys.to(self.keys[layer].dtype))
         self.values[layer].index_copy_(0, slots, values.to(self.values[layer].dtype))
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at `slots` (any shape S): [*S, kv_heads, head_dim] in the compute dtype."""
-        k, v = self.keys[layer][slots], self.values[layer][slots]
+    def read(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of whole blocks: tables [B, n] block ids -> [B, n * block_size, kv_heads, head_dim]
+        in the compute dtype. Blocks are copied whole (one index_select of block-sized rows: on an AMX Xeon
+        16 x 20 blocks of SmolLM2's bf16 keys took 113 us, gathering the same slots one by one 574 us)."""
+        b, n = tables.shape
+        shape = (self.num_blocks, -1)
+        flat = tables.reshape(-1)
+        k = self.keys[layer].view(shape).index_select(0, flat).view(b, n * self.block_size, *self.keys[layer].shape[1:])
+        v = self.values[layer].view(shape).index_select(0, flat).view(b, n * self.block_size, *self.values[layer].shape[1:])
         if self.scales is None:
             return k, v
         ks, vs = self.scales[layer]

@@ -39,26 +39,27 @@ class ModelRunner:
 
     def layout(self, work: Seq[Work]) -> tuple[torch.Tensor, torch.Tensor, StepLayout]:
         """(input ids [1, T], positions [1, T], the attention layout) of the step."""
-        ids, positions, slots, chunks, dec_rows, dec_slots = [], [], [], [], [], []
-        row = 0
+        ids, positions, slots, chunks, dec_rows, dec_tables, dec_lengths = [], [], [], [], [], [], []
+        row, bs = 0, self.block_size
         for w in work:
             seq = w.seq
-            ids.extend(seq.tokens[w.start : w.start + w.count])
-            positions.append(torch.arange(w.start, w.start + w.count))
-            context = self._slots(seq.blocks, 0, w.start + w.count)
-            slots.append(context[w.start:])
+            end = w.start + w.count
+            ids.extend(seq.tokens[w.start : end])
+            positions.append(torch.arange(w.start, end))
+            slots.append(self._slots(seq.blocks, w.start, end))
+            blocks = torch.tensor(seq.blocks[: -(-end // bs)], dtype=torch.long)
             if w.count == 1 and w.start > 0:
                 dec_rows.append(row)
-                dec_slots.append(context)
+                dec_tables.append(blocks)
+                dec_lengths.append(end)
             else:
-                chunks.append(Chunk(row, w.count, context.to(self.device)))
+                chunks.append(Chunk(row, w.count, end, blocks.to(self.device)))
             row += w.count
         decode = None
         if dec_rows:
-            lengths = torch.tensor([s.shape[0] for s in dec_slots])
-            padded = torch.nn.utils.rnn.pad_sequence(dec_slots, batch_first=True, padding_value=0)
+            padded = torch.nn.utils.rnn.pad_sequence(dec_tables, batch_first=True, padding_value=0)
             decode = DecodeGroup(torch.tensor(dec_rows, device=self.device), padded.to(self.device),
-                                 lengths.to(self.device))
+                                 torch.tensor(dec_lengths, device=self.device), bs)
         layout = StepLayout(self.pool, torch.cat(slots).to(self.device), decode, chunks)
         return (torch.tensor(ids, dtype=torch.long, device=self.device)[None],
                 torch.cat(positions).to(self.device)[None], layout)

@@ -68,6 +68,8 @@ class Plan:
     context: int
     estimated_seconds: float
     nproc: int = 1
+    kv_pool_bytes: int = 1 << 30  # `quantkit serve --kv-cache-gb` (1 by default)
+    kv_block_size: int = 16
     breakdown: dict[str, int] = field(default_factory=dict)  # the peak's terms
     throughput: dict[str, float] = field(default_factory=dict)  # what the estimate is made from
 
@@ -75,6 +77,12 @@ class Plan:
     def bits_per_weight(self) -> float:
         total = sum(self.parameters.values())
         return 8 * self.checkpoint_bytes / total if total else 0.0
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        """Tokens the serving engine's paged KV pool holds in `kv_pool_bytes` (whole blocks)."""
+        per_block = self.kv_block_size * self.kv_bytes_per_token
+        return int(self.kv_pool_bytes // per_block) * self.kv_block_size if per_block else 0
 
     def to_json(self) -> dict:
         return {
@@ -87,6 +95,7 @@ class Plan:
             "disk_bytes": self.disk_bytes, "activation_bytes": self.activation_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token, "context": self.context,
             "kv_bytes_at_context": self.kv_bytes_per_token * self.context,
+            "kv_pool_bytes": self.kv_pool_bytes, "kv_pool_tokens": self.kv_pool_tokens,
             "estimated_seconds": round(self.estimated_seconds, 1),
             "peak_breakdown_bytes": self.breakdown, "throughput": self.throughput,
         }
@@ -106,7 +115,9 @@ class Plan:
             + "  (" + ", ".join(f"{k} {gb(v)}" for k, v in self.breakdown.items() if v) + ")",
             f"  disk            {gb(self.disk_bytes)}",
             f"  KV cache        {self.kv_bytes_per_token / 1e3:.1f} KB per token, "
-            f"{gb(self.kv_bytes_per_token * self.context)} at {self.context} tokens",
+            f"{gb(self.kv_bytes_per_token * self.context)} at {self.context} tokens; serving with "
+            f"--kv-cache-gb {self.kv_pool_bytes / (1 << 30):g}: {self.kv_pool_tokens} tokens "
+            f"(blocks of {self.kv_block_size})",
             f"  time            ~{_duration(self.estimated_seconds)} (estimate from this machine's measured "
             f"throughput; disk reads assumed {ASSUMED_READ_BYTES_PER_S / 1e9:.1f} GB/s)",
         ]
