@@ -60,3 +60,51 @@ def test_the_quick_start_runs(tiny_llama, tmp_path, monkeypatch):
         res = CliRunner().invoke(main, args)
         assert res.exit_code == 0, f"quantkit {' '.join(args)}\n{res.output}"
     assert (tmp_path / "sm-q4_0.gguf").stat().st_size > 0
+
+
+def test_the_serve_section_runs(tiny_llama, tmp_path):
+    """The README's `quantkit serve` line, as a process, answers the README's two-line client (on a free port
+    instead of 8000, the tiny model under the README's name)."""
+    import contextlib
+    import io
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Serve", 1)[1].split("\n## ", 1)[0]
+    command = shlex.split(re.search(r"```\n(quantkit serve .*?)  #", section).group(1))
+    client = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert command[:2] == ["quantkit", "serve"] and len(client.strip().splitlines()) == 2
+    model = tmp_path / command[2]
+    shutil.copytree(tiny_llama, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "quantkit", "serve", *command[2:], "--port", str(port),
+                             "--kv-cache-gb", "0.01"], cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(client.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), {})
+        # the answer's text, printed (a tiny random model may say little; the client checked the body's shape)
+        assert out.getvalue().endswith("\n") and out.getvalue() != "None\n"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0

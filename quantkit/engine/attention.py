@@ -110,11 +110,17 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                     attention_mask, scaling: Optional[float] = None, dropout: float = 0.0,
                     sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                     quantkit_step: Optional[StepLayout] = None, **_kwargs):
-    """The attention implementation: query [1, H, T, d], key / value [1, KVH, T, d] of the step's
-    tokens; returns ([1, T, H, d], None)."""
-    step, layer = quantkit_step, module.layer_idx
-    if step is None:
+    """The attention implementation transformers calls: query [1, H, T, d], key / value [1, KVH, T, d] of
+    the step's tokens; returns ([1, T, H, d], None)."""
+    if quantkit_step is None:
         raise RuntimeError(f"attention implementation {NAME!r} runs only inside the engine's step")
+    return attend_layer(quantkit_step, module.layer_idx, query, key, value, scaling, sliding_window, softcap), None
+
+
+def attend_layer(step: StepLayout, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scaling: Optional[float], sliding_window: Optional[int] = None,
+                 softcap: Optional[float] = None) -> torch.Tensor:
+    """Store the step's keys / values of `layer` in the pool, then attend: [1, T, H, d]."""
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, d]
     step.pool.write(layer, k_new, v_new, step.slots)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, d]
@@ -135,7 +141,7 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         o = attend(query[:, :, c.start:end], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, causal,
                    scaling, softcap)
         out[c.start:end] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _register() -> None:

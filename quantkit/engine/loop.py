@@ -23,6 +23,11 @@ from quantkit.runtime.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)
+
+
 class Busy(Exception):
     """Too many requests are waiting; try again later."""
 
@@ -38,6 +43,7 @@ class EngineLoop:
         self._adds: list[tuple] = []
         self._aborts: list[str] = []
         self._wake = threading.Event()
+        self._outbox: list[tuple] = []  # (asyncio loop, queue, event) made by this step, delivered at its end
         self._stop = threading.Event()
         self.draining = False
         self.failed: Optional[str] = None
@@ -55,7 +61,7 @@ class EngineLoop:
                loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
         """Queue a request; its events arrive on the returned queue (on `loop`)."""
         events: asyncio.Queue = asyncio.Queue()
-        post = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)  # noqa: E731
+        post = lambda event: self._outbox.append((loop, events, event))  # noqa: E731  (delivered after the step)
         with self._lock:
             if self.draining or self._stop.is_set():
                 raise Draining("the server is shutting down")
@@ -87,6 +93,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._apply()
+            self._deliver()
             if not self.engine.has_work:
                 self._wake.wait(0.1)
                 self._wake.clear()
@@ -97,9 +104,26 @@ class EngineLoop:
                 log.exception("engine step failed")
                 self.failed = f"{type(exc).__name__}: {exc}"
                 self._fail_all(self.failed)
+            self._deliver()
         self._apply()
         for rid in list(self.engine.sequences):
             self.engine.abort(rid)
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand the step's events to their event loops, one wake-up per loop per step (a wake-up per token
+        per request took a core from the step's threads on a 2-core machine)."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        by_loop: dict = {}
+        for loop, queue, event in batch:
+            by_loop.setdefault(loop, []).append((queue, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: its requests' clients are gone
+                pass
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self.engine.sequences):

@@ -2,7 +2,9 @@
 
 The step's tokens (every sequence's share, `scheduler.Work`) are laid side by side in one row
 with their own positions; their slots in the pool come from each sequence's block table. The
-decoder runs through transformers' forward with `attention.paged_attention`, then the head runs
+decoder runs as the runner's lean step where the architecture has one (`runtime.lean_decode`:
+llama, mistral, qwen2, qwen3; its `flat_step` with `attention.attend_layer`), else through
+transformers' forward with `attention.paged_attention` (Gemma 3), then the head runs
 only on the last token of each sequence that samples this step (`runtime.lean_decode.Head`:
 the head's GEMV choice and final logit soft-capping, as the runner computes logits).
 """
@@ -14,7 +16,7 @@ from typing import Sequence as Seq
 import torch
 from torch import nn
 
-from quantkit.engine.attention import Chunk, DecodeGroup, StepLayout, configs_of, paged
+from quantkit.engine.attention import Chunk, DecodeGroup, StepLayout, attend_layer, configs_of, paged
 from quantkit.engine.kv_pool import KVPool
 from quantkit.engine.scheduler import Work
 from quantkit.runtime import lean_decode
@@ -31,6 +33,7 @@ class ModelRunner:
             raise ValueError(f"the engine does not run {model.config.model_type!r} models yet (supported: "
                              f"{', '.join(lean_decode.HEAD_APART)})")
         self.head = lean_decode.Head(model, self.device, self.dtype)
+        self.lean = lean_decode.LeanDecoder(model, None) if lean_decode.supports(model) else None
 
     def _slots(self, blocks: list[int], start: int, stop: int) -> torch.Tensor:
         pos = torch.arange(start, stop)
@@ -69,9 +72,13 @@ class ModelRunner:
         """Compute the step; the logits [n, vocab] (float32, on the CPU) of the work items that
         sample, in their order."""
         ids, positions, layout = self.layout(work)
-        with paged(self.configs):
-            hidden = self.model.model(input_ids=ids, position_ids=positions, use_cache=False,
-                                      quantkit_step=layout).last_hidden_state
+        if self.lean is not None:
+            scaling = self.lean.scaling
+            hidden = self.lean.flat_step(ids, positions, lambda i, q, k, v: attend_layer(layout, i, q, k, v, scaling))
+        else:
+            with paged(self.configs):
+                hidden = self.model.model(input_ids=ids, position_ids=positions, use_cache=False,
+                                          quantkit_step=layout).last_hidden_state[0]
         ends, row = [], 0
         for w in work:
             row += w.count
@@ -79,4 +86,4 @@ class ModelRunner:
                 ends.append(row - 1)
         if not ends:
             return torch.empty(0, 0)
-        return self.head(hidden[0, torch.tensor(ends, device=self.device)]).float().cpu()
+        return self.head(hidden[torch.tensor(ends, device=self.device)]).float().cpu()

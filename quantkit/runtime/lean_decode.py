@@ -279,8 +279,14 @@ def _run(lin, x: torch.Tensor) -> torch.Tensor:
     return lin.packed.matmul(x, lin.bias, cast_back=False)
 
 
+def _op_limit(modules: list[nn.Module]) -> int:
+    """Up to how many tokens every packed int4 module of `modules` runs its op (no limit for other linears)."""
+    return min((m.op_tokens for m in modules if isinstance(m, PackedIntLinear)), default=1 << 30)
+
+
 class LeanDecoder:
-    """Decode steps over a StaticCache filled by a transformers prefill of `total` slots."""
+    """Decode steps over a StaticCache filled by a transformers prefill of `total` slots (`step`), or over
+    tokens laid flat whose attention the caller computes (`flat_step`: the serving engine's paged cache)."""
 
     def __init__(self, model: nn.Module, cache, fp8_scales: Optional[dict] = None):
         self.model, self.cache = model, cache
@@ -297,6 +303,8 @@ class LeanDecoder:
         dev, dt = embed.device, embed.dtype
         self.head = Head(model, dev, dt)
         self.plans = []
+        self.limits = [(_op_limit([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]),
+                        _op_limit([l.mlp.gate_proj, l.mlp.up_proj])) for l in layers]
         for layer, qkv, gate_up in zip(layers, fused.qkv, fused.gate_up):
             attn, mlp = layer.self_attn, layer.mlp
             self.plans.append(_LayerPlan(
@@ -309,6 +317,40 @@ class LeanDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head over one position's final hidden state [B, H] (already normed), in its dtype."""
         return self.head(hidden)
+
+    @torch.no_grad()
+    def flat_step(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """The decoder over T tokens laid flat (ids, positions [1, T]: tokens of several sequences side by
+        side); attention(layer, q, k, v) -> [1, T, heads, head_dim] attends them (q [1, heads, T, d] and
+        k / v [1, kv_heads, T, d] after the norms and RoPE: the caller stores k / v and picks each token's
+        context). Fused q/k/v and gate/up run while T is within every fused int4 module's op limit; longer
+        inputs (prefill chunks) run the modules apart, each choosing its op or dequantizing. Returns the
+        final normed hidden states [T, hidden]."""
+        h = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(h, positions)  # [1, T, head_dim]
+        cos, sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
+        t, d = ids.shape[1], self.head_dim
+        for i, p in enumerate(self.plans):
+            x = _rms_norm(h, p.ln1)
+            if p.qkv is not None and t <= self.limits[i][0]:
+                lin, sizes = p.qkv
+                q, k, v = _run(lin, x).to(h.dtype).split(sizes, dim=-1)
+            else:
+                q, k, v = (_run(lin, x).to(h.dtype) for lin in (p.q, p.k, p.v))
+            q, k, v = q.view(1, t, -1, d), k.view(1, t, -1, d), v.view(1, t, -1, d)
+            if p.q_norm is not None:  # qwen3: per-head norms before RoPE
+                q, k = _rms_norm(q, p.q_norm), _rms_norm(k, p.k_norm)
+            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+            o = attention(i, q, k, v.transpose(1, 2))
+            h = h + _run(p.o, o.reshape(1, t, -1))
+            x = _rms_norm(h, p.ln2)
+            if p.gate_up is not None and t <= self.limits[i][1]:
+                lin, sizes = p.gate_up
+                gate, up = _run(lin, x).split(sizes, dim=-1)
+                h = h + _run(p.down, p.act(gate.to(h.dtype)) * up)
+            else:
+                h = h + p.mlp(x)
+        return _rms_norm(h, self.inner.norm)[0]
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, slot: int, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
