@@ -18,7 +18,8 @@
 # QUANTKIT_GPU_BIG_LAYERS (decoder layers of the 8B-shaped model, default 2), QUANTKIT_GPU_SET (more
 # --set KEY=VALUE for the SmolLM2 quantizes), QUANTKIT_GPU_LIMIT_SCALE (times each step's limit, default 1),
 # QUANTKIT_GPU_PART (all: everything; tests: only the kernel and device tests, with the whole deadline;
-# steps: everything but those tests). On a lent H200 (2026-12-04) the 140 tests took more than 230 s, most of it
+# steps: everything but those tests; serve: the random model and a GPTQ of it served on the device, the engine's
+# tests there, and bench/serve.py at 1 and 16 clients for each). On a lent H200 (2026-12-04) the 140 tests took more than 230 s, most of it
 # Triton autotuning every (M, N, K) they try, so a full check there is two calls back to back while the
 # machine is warm: QUANTKIT_GPU_PART=tests, then QUANTKIT_GPU_PART=steps.
 set -uo pipefail
@@ -29,7 +30,7 @@ DEADLINE=${QUANTKIT_GPU_DEADLINE:-540}
 BIG_LAYERS=${QUANTKIT_GPU_BIG_LAYERS:-2}
 SCALE=${QUANTKIT_GPU_LIMIT_SCALE:-1}
 PART=${QUANTKIT_GPU_PART:-all}
-case $PART in all | tests | steps) ;; *) echo "QUANTKIT_GPU_PART=$PART: use all, tests or steps"; exit 2 ;; esac
+case $PART in all | tests | steps | serve) ;; *) echo "QUANTKIT_GPU_PART=$PART: use all, tests, steps or serve"; exit 2 ;; esac
 RESULTS=${OUT:-$(mktemp -d)}
 WORK=$(mktemp -d)
 LOG=$RESULTS/gpu.log
@@ -80,6 +81,21 @@ if [ "$PART" != steps ]; then
   step "kernel and device tests" "$TESTS_LIMIT" "$PY" -m pytest -q -p no:cacheprovider -rf --durations=5 \
     tests/test_kernels.py tests/test_devices.py
   if [ "$PART" = tests ]; then finish; exit 0; fi
+fi
+
+if [ "$PART" = serve ]; then
+  if [ -d .gpu/smollm2 ]; then LIKE=.gpu/smollm2; else LIKE=$("$PY" -m quantkit models fetch smollm2-135m | tail -1 | sed 's/^Cached at //'); fi
+  MODEL=${QUANTKIT_GPU_MODEL:-$WORK/smollm2-random}
+  [ -d "$MODEL" ] || step "random SmolLM2-shaped model" 90 "$PY" bench/random_model.py "$LIKE" "$MODEL" || { finish; exit 1; }
+  step "gptq-w4a16 on $DEV" 150 "${QK[@]}" quantize "$MODEL" --recipe gptq-w4a16 --set stages.0.scheme.group_size=64 \
+    --device "$DEV" -o "$WORK/gptq-$DEV" --no-progress
+  step "engine and server tests" 120 "$PY" -m pytest -q -p no:cacheprovider -rf tests/test_engine.py tests/test_serve.py \
+    -m "not slow"
+  for M in "$MODEL" "$WORK/gptq-$DEV"; do
+    step "serve $(basename "$M") on $DEV, 1 and 16 clients" 150 "$PY" bench/serve.py throughput "$M" --device "$DEV" \
+      --clients 1,16 --requests 8 --max-tokens 64
+  done
+  finish; exit 0
 fi
 
 # first of the steps: the kernels against bf16 F.linear (W4A16 GEMV and tinygemm at M=1..16, FP8 at M >= 256)

@@ -162,7 +162,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
 
 def start_quantkit(model: str, args, extra=()) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "quantkit", "serve", model, "--port", str(port), "--dtype", args.dtype,
+    cmd = [sys.executable, "-m", "quantkit", "serve", model, "--port", str(port), "--dtype", args.dtype, "--device", args.device,
            "--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", str(max(32, max(args.clients))),
            "--max-waiting", "256", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(args.log, "a"))
@@ -248,13 +248,14 @@ def kv(args) -> None:
     from quantkit.engine.kv_pool import KVShape, element_bytes
     from quantkit.runtime.sampling import SamplingParams
 
-    model = load(args.model, dtype=args.dtype, workload="decode")
+    model = load(args.model, dtype=args.dtype, device=args.device, workload="decode")
     tok = load_tokenizer(args.model)
     rng = random.Random(1)
     ids = tok(austen_text()[:600_000])["input_ids"]
-    lengths = [int(math.exp(rng.uniform(math.log(32), math.log(2048)))) for _ in range(args.kv_requests)]
-    reqs = [ids[s : s + n] for n in lengths for s in [rng.randrange(0, len(ids) - n)]]
     engine = Engine(model, tok, EngineConfig(kv_cache_gb=args.kv_cache_gb, max_num_seqs=256, max_batched_tokens=512))
+    high = min(2048, engine.limit - 64)
+    lengths = [int(math.exp(rng.uniform(math.log(32), math.log(high)))) for _ in range(args.kv_requests)]
+    reqs = [ids[s : s + n] for n in lengths for s in [rng.randrange(0, len(ids) - n)]]
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     for r in reqs:
         engine.add(r, params)
@@ -268,7 +269,7 @@ def kv(args) -> None:
     static_longest = budget // (longest * per_token)
     static_context = budget // (engine.limit * per_token)
     print(f"# KV memory: {args.model}, budget {budget / 2**20:.1f} MiB ({engine.capacity_tokens} tokens), "
-          f"{len(reqs)} requests, prompts log-uniform 32-2048 tokens (mean {statistics.mean(lengths):.0f}), 64 new; {machine()}")
+          f"{len(reqs)} requests, prompts log-uniform 32-{high} tokens (mean {statistics.mean(lengths):.0f}), 64 new; {machine()}")
     print(f"paged: up to {peak} requests at once ({engine.scheduler.preemptions} preemptions); contiguous caches of "
           f"the longest request ({longest} tokens): {static_longest} ({peak / max(static_longest, 1):.1f}x); of the "
           f"model's context ({engine.limit}): {static_context}")
@@ -310,6 +311,7 @@ def main() -> None:
                         "requests // clients, at least one).")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu", help="Where quantkit serve runs the model (cpu, cuda, auto).")
     parser.add_argument("--kv-cache-gb", type=float, default=1.0)
     parser.add_argument("--kv-requests", type=int, default=64)
     parser.add_argument("--system-tokens", type=int, default=1000)

@@ -113,5 +113,20 @@ def test_gpu_check_refuses_an_unknown_part(tmp_path):
     # QUANTKIT_GPU_PART splits the check into two calls of a lent machine; a typo must not run a different part
     out = subprocess.run(["bash", str(BENCH / "gpu.sh")], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "QUANTKIT_GPU_PART": "kernels"})
-    assert out.returncode == 2 and "QUANTKIT_GPU_PART=kernels: use all, tests or steps" in out.stdout
+    assert out.returncode == 2 and "QUANTKIT_GPU_PART=kernels: use all, tests, steps or serve" in out.stdout
     assert not (tmp_path / "gpu.log").exists()
+
+
+def test_serve_bench_measures_throughput_and_kv(tiny_llama):
+    """bench/serve.py against `quantkit serve` on the tiny model (a real server on 127.0.0.1, 1 and 2 clients,
+    four tokens each) and its in-process KV comparison: figures printed with the CPU beside them."""
+    run = lambda *a: subprocess.run([sys.executable, str(BENCH / "serve.py"), *a], capture_output=True,  # noqa: E731
+                                    text=True, timeout=600)
+    out = run("throughput", str(tiny_llama), "--clients", "1,2", "--requests", "2", "--max-tokens", "4",
+              "--kv-cache-gb", "0.01", "--dtype", "float32")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [l for l in out.stdout.splitlines() if " clients " in l]
+    assert len(rows) == 2 and "capability" in out.stdout and all("tok/s" in r for r in rows)
+    out = run("kv", str(tiny_llama), "--kv-cache-gb", "0.0005", "--kv-requests", "12", "--dtype", "float32")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "paged: up to" in out.stdout and "contiguous caches of the longest request" in out.stdout

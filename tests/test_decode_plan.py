@@ -110,7 +110,8 @@ def test_a_model_without_int4_layers_is_never_narrowed():
 
 
 @pytest.mark.parametrize("chunks, op_wins_at_one, limit, timed", [
-    ({16: (1, 2), 64: (3, 2)}, True, 16, [16, 64]),          # the op loses at 64: prompts up to 16 tokens on it
+    ({16: (1, 2), 64: (3, 2)}, True, 32, [16, 32, 64]),      # the op loses at 64: prompts up to 32 tokens on it
+    ({16: (1, 2), 32: (3, 2)}, True, 16, [16, 32]),          # loses at 32: up to 16
     ({16: (3, 2)}, True, 1, [16]),                            # loses at the first chunk: one token only
     ({}, True, CHUNK_TOKENS[-1], list(CHUNK_TOKENS)),        # wins at every chunk
     ({}, False, 0, []),                                       # dequantizing wins at one token: never the op
@@ -215,7 +216,7 @@ def test_loading_for_decode_follows_the_plan_and_says_why(w4_checkpoint, monkeyp
     line = model.quantkit_compute.describe()
     assert "decode plan measured here" in line and line.endswith("float32 (int4 layers' activations in bfloat16)")
     linears = [m for m in model.modules() if isinstance(m, PackedIntLinear)]
-    assert linears and {(m.op_dtype, m.op_tokens, m.kernel) for m in linears} == {(BF16, 16, "cpu")}
+    assert linears and {(m.op_dtype, m.op_tokens, m.kernel) for m in linears} == {(BF16, 32, "cpu")}
     # the batch workload (eval) plans nothing: the op in the input's dtype, as a model quantized in memory has it
     batch = quantkit.load(w4_checkpoint)
     assert batch.quantkit_decode_plan is None

@@ -40,7 +40,10 @@ REPEATS = 5  # samples per figure; the median is kept
 SAMPLE_SECONDS = 2e-3  # each sample runs the kernel often enough to last about this long
 MAX_ROWS = 2048  # a larger layer is timed on this many of its rows, its time scaled by out_features / rows
 COLD_BYTES = 256 << 20  # a kind is timed over copies of up to this many bytes of weights, read in turn
-CHUNK_TOKENS = (16, 64, cpu_int4.MAX_TOKENS)  # prefill chunks at which an int4 op is timed against dequantizing
+# prefill chunks (and the serving engine's decode batches) at which an int4 op is timed against dequantizing; 32:
+# on an AMX Xeon the op took 544 us for 32 tokens of SmolLM2's 1536 x 576 int4 linear against 961 us for
+# dequantizing, and lost only at 64 (1064 against 1014), so without 32 a batch of 17-63 dequantized
+CHUNK_TOKENS = (16, 32, 64, cpu_int4.MAX_TOKENS)
 NARROW_MIN_GAIN = 1.1  # a plan that rounds activations narrower must be this much faster than the best exact one
 NARROW_DTYPE = torch.bfloat16  # the 16-bit activations a W4A16 layer may take under a float32 plan
 
