@@ -237,3 +237,24 @@ def test_plan_reports_the_tokens_the_serving_pool_holds(tiny_llama, tokenizer):
     engine = Engine(model, tokenizer, EngineConfig(kv_cache_gb=3 / 1024))
     assert engine.capacity_tokens == result.kv_pool_tokens > 0
     assert f"--kv-cache-gb {3 / 1024:g}: {result.kv_pool_tokens} tokens" in result.format()
+
+
+def test_fp8_pool_with_calibrated_scales_equals_the_runner(tiny_llama, tokenizer, tmp_path):
+    """A checkpoint with calibrated k/v scales (recipe fp8-kv): the pool's e4m3 blocks use them, and greedy
+    outputs equal the runner's FP8 cache on the same loaded model."""
+    from quantkit.checkpoints.loader import load
+    from quantkit.flow.job import quantize
+    from quantkit.flow.recipe import load_recipe
+    from quantkit.runtime.kv_cache import kv_scales
+
+    out = tmp_path / "fp8kv"
+    quantize(str(tiny_llama), load_recipe("fp8-kv", ["calibration.num_samples=4", "calibration.seq_len=32"]), out,
+             progress=False)
+    model = load(out, dtype="float32")
+    scales, calibrated = kv_scales(model)
+    assert calibrated and all(float(k.max()) != 1.0 for k, _ in scales.values())
+    prompts = _prompts(3, seed=4)
+    expected = [generate(model, tokenizer, p, GREEDY, kv_cache_dtype="fp8").token_ids for p in prompts]
+    engine = Engine(model, tokenizer, EngineConfig(num_blocks=64, block_size=4, kv_cache_dtype="fp8"))
+    assert torch.equal(engine.pool.scales[0][0].flatten(), scales[0][0].float().flatten())
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
