@@ -51,7 +51,7 @@ def test_saved_provenance_names_the_data_given_to_quantize(tiny_llama, tokenizer
     # a recipe's own dataset is named as it is
     model, _ = quantkit.quantize(str(tiny_llama), "rtn-w4a16", overrides=["stages.0.scheme.group_size=32"])
     plain = quantkit.save(model, tmp_path / "plain")
-    assert json.loads((plain / "quantkit.json").read_text())["calibration_data"] == "sensesensibility"
+    assert json.loads((plain / "quantkit.json").read_text())["calibration_data"] == "mix-v1"
 
 
 @pytest.mark.parametrize("asked", ["cuda:1", "cuda:0"])

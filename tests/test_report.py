@@ -79,11 +79,12 @@ def test_report_files_and_sections(tiny_llama, checkpoints, tmp_path):
     md = (out / "report.md").read_text()
     for section in ("# quantkit report: 2 checkpoint(s) of llama", "## Summary", "## Protocol", "## Plots",
                     "## Checkpoints", "## Greedy generations side by side", "Prompt: *It is a truth*",
-                    "![Per-layer weight SQNR](per_layer_error.png)", "KLD p99", "bits/weight", "rtn-w4a16",
-                    "gptq-w4a16", "(original)", "departs at"):
+                    "![Per-layer weight SQNR](per_layer_error.png)", "mean KLD over texts", "worst text",
+                    "## Per language and domain", "| manual-zh | zh | technical |", "| chat | multi | chat |",
+                    "bits/weight", "rtn-w4a16", "gptq-w4a16", "(original)", "departs at"):
         assert section in md, section
     html = (out / "report.html").read_text()
-    assert html.startswith("<!DOCTYPE html>") and html.count("<table>") == 4 and 'src="size_vs_quality.png"' in html
+    assert html.startswith("<!DOCTYPE html>") and html.count("<table>") == 5 and 'src="size_vs_quality.png"' in html
     for png in ("per_layer_error.png", "size_vs_quality.png"):
         assert_png(out / png)
     data = json.loads((out / "report.json").read_text())

@@ -84,7 +84,7 @@ def _join_column(ds, column: str, label: str) -> str:
     return "\n\n".join(str(t) for t in ds[column] if t)
 
 
-TOKENIZED_KEEP = 8  # texts whose ids this process keeps (a novel is ~1-2 MB of int64 ids)
+TOKENIZED_KEEP = 16  # texts whose ids this process keeps (a novel is ~1-2 MB of int64 ids)
 _tokenized: "OrderedDict[tuple[str, str], torch.Tensor]" = OrderedDict()
 
 
@@ -122,22 +122,25 @@ def _tokenized_key(tokenizer, text: str) -> Optional[tuple[str, str]]:
 
 
 def make_chunks(
-    ids: torch.Tensor, num_samples: int, seq_len: int, seed: int, bos_id: Optional[int] = None, label: str = "text"
+    ids: torch.Tensor, num_samples: int, seq_len: int, seed: int, bos_id: Optional[int] = None, label: str = "text",
+    skip: int = 0,
 ) -> torch.Tensor:
     """`num_samples` non-overlapping windows of `seq_len` tokens, chosen by a seeded permutation.
 
-    With `bos_id`, each window is BOS followed by seq_len - 1 text tokens. Returns [num_samples, seq_len].
+    With `bos_id`, each window is BOS followed by seq_len - 1 text tokens. skip: the windows after the first
+    `skip` of the same permutation (held-back windows: disjoint from those `skip=0` gives). Returns
+    [num_samples, seq_len].
     """
     body = seq_len - (1 if bos_id is not None else 0)
     available = ids.numel() // body
-    if available < num_samples:
+    if available < skip + num_samples:
         raise CalibrationDataError(
             f"calibration text {label!r} has {ids.numel()} tokens, enough for {available} chunks of "
-            f"{seq_len} tokens, but {num_samples} were asked for ({num_samples * body} tokens); "
+            f"{seq_len} tokens, but {skip + num_samples} were asked for ({(skip + num_samples) * body} tokens); "
             "lower calibration.num_samples or calibration.seq_len, or use a longer text"
         )
     gen = torch.Generator().manual_seed(seed)
-    picks = torch.randperm(available, generator=gen)[:num_samples].sort().values
+    picks = torch.randperm(available, generator=gen)[skip : skip + num_samples].sort().values
     chunks = ids[: available * body].reshape(available, body)[picks]  # [num_samples, body]
     if bos_id is not None:
         chunks = torch.cat([torch.full((num_samples, 1), bos_id, dtype=torch.long), chunks], dim=1)

@@ -29,13 +29,14 @@ def command():
 @click.argument("models", nargs=-1, required=True)
 @click.option("--original", help="The unquantized model [default: the source in the first checkpoint's "
               "quantkit.json, else the first MODEL].")
-@click.option("--dataset", "datasets", multiple=True, default=["emma"], show_default=True,
-              help="Shipped text (emma, persuasion, ...) or a .txt/.jsonl/.parquet file; repeat or comma-separate "
-                   "for several, all scored in the same pass.")
+@click.option("--dataset", "datasets", multiple=True, default=["eval-v1"], show_default=True,
+              help="eval-v1 (the shipped set: one text per language and domain), one of its parts (eval-v1/manual-zh), "
+                   "a shipped text (emma, persuasion) or a .txt/.jsonl/.parquet file; repeat or comma-separate for "
+                   "several, all scored in the same pass.")
 @click.option("--text-column", default="text", show_default=True, help="Text column for .jsonl/.parquet files.")
 @click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(min=2), help="Tokens per window.")
-@click.option("--max-windows", default=16, show_default=True, type=click.IntRange(min=0),
-              help="Windows per dataset (0 = all).")
+@click.option("--max-windows", type=click.IntRange(min=0),
+              help="Windows per dataset (0 = all) [default: 16 for a text, 4 for each part of eval-v1].")
 @click.option("--max-tokens", type=click.IntRange(min=1), help="At most this many tokens of each text.")
 @click.option("--batch-size", default=1, show_default=True, type=click.IntRange(min=1), help="Windows per forward.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
@@ -62,20 +63,24 @@ def compare(models, original, datasets, text_column, seq_len, max_windows, max_t
       quantkit eval ./smollm2-w4 --original smollm2-135m --dataset emma,persuasion --json eval.json
       quantkit eval ./gemma-w4 --max-windows 4 --dtype float32
     """
-    from quantkit.eval.compare import evaluate, find_original, format_protocol, format_table
+    from quantkit.eval.compare import evaluate, find_original, format_domains, format_protocol, format_table
 
     if json_path:
         check_json_path(json_path)
     names = [n.strip() for d in datasets for n in d.split(",") if n.strip()]
     original, checkpoints, how = find_original(list(models), original)
     click.echo(f"original: {original} ({how})", err=True)
-    result = evaluate(original, checkpoints, names, seq_len, max_windows or None, max_tokens, batch_size, dtype,
+    windows = "auto" if max_windows is None else (max_windows or None)
+    result = evaluate(original, checkpoints, names, seq_len, windows, max_tokens, batch_size, dtype,
                       device, offload, None if kv_cache_dtype == "auto" else kv_cache_dtype, text_column, encoding,
                       progress=not no_progress)
     for line in result.notes:
         click.echo(line, err=True)
     click.echo(format_protocol(result.protocol))
     click.echo(format_table(result.rows))
+    domains = format_domains(result.rows, result.protocol)
+    if domains:
+        click.echo(domains)
     click.echo(f"{result.tokens_per_second:.0f} tokens/s over {len(result.models)} models, {result.seconds:.1f} s")
     if json_path:
         json_path.write_text(json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n")

@@ -93,6 +93,8 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
         click.echo(f"WARNING: {len(fallbacks)} layer(s) fell back to RTN: {', '.join(fallbacks)}", err=True)
     click.echo(report.closing_line())
     click.echo(f"Wrote {report.output}")
+    if report.domain_warning:
+        click.echo(report.domain_warning, err=True)
 
 
 def _launch(nproc: int) -> int:

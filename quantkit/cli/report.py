@@ -16,10 +16,12 @@ import click
 @click.option("--overwrite", is_flag=True, help="Replace an earlier report in --output.")
 @click.option("--eval-json", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Use the results of `quantkit eval ... --json FILE` (same models) instead of evaluating again.")
-@click.option("--dataset", "datasets", multiple=True, default=["emma"], show_default=True,
-              help="Texts to evaluate on (repeat or comma-separate); ignored with --eval-json.")
+@click.option("--dataset", "datasets", multiple=True, default=["eval-v1"], show_default=True,
+              help="Texts to evaluate on: eval-v1 (one per language and domain), a part of it, a shipped text or a "
+                   "file (repeat or comma-separate); ignored with --eval-json.")
 @click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(min=2), help="Tokens per window.")
-@click.option("--max-windows", default=16, show_default=True, type=click.IntRange(min=0), help="Windows per text (0 = all).")
+@click.option("--max-windows", type=click.IntRange(min=0),
+              help="Windows per text (0 = all) [default: 16 for a text, 4 for each part of eval-v1].")
 @click.option("--max-tokens", type=click.IntRange(min=1), help="At most this many tokens of each text.")
 @click.option("--batch-size", default=1, show_default=True, type=click.IntRange(min=1), help="Windows per forward.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
@@ -62,7 +64,8 @@ def command(checkpoints, original, output, overwrite, eval_json, datasets, seq_l
                                      param_hint="--eval-json") from exc
     else:
         names = [n.strip() for d in datasets for n in d.split(",") if n.strip()]
-        result = evaluate(original, rest, names, seq_len, max_windows or None, max_tokens, batch_size, dtype, device,
+        windows = "auto" if max_windows is None else (max_windows or None)
+        result = evaluate(original, rest, names, seq_len, windows, max_tokens, batch_size, dtype, device,
                           progress=not no_progress)
         evaluation = result.to_json()
     chosen = DEFAULT_PROMPTS if not prompts else tuple(p for p in prompts if p)

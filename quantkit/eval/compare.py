@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from quantkit.calibration import mix
 from quantkit.calibration.data import load_text, tokenize
 from quantkit.errors import CalibrationDataError, CheckpointError, QuantkitError
 from quantkit.eval.divergence import Tally, kl_divergence, log_probs, token_nll, top1_same
@@ -36,14 +37,20 @@ LOGIT_ELEMENTS = 1 << 25  # floats of one logits chunk (128 MB): positions per c
 MEMORY_SHARE = 0.9  # refuse when the models would take more than this share of the available memory
 
 
+DEFAULT_DATASET = "eval-v1"  # the shipped evaluation set: one text per language and domain
+AUTO_WINDOWS = {"text": 16, "part": 4}  # windows per text for max_windows="auto": a text alone, a part of a set
+
+
 @dataclass
 class Text:
-    """One evaluation text: its name, sha256 of its UTF-8 bytes and its token ids."""
+    """One evaluation text: its name, sha256 of its UTF-8 bytes and its token ids; for a part of a shipped set,
+    the set, language and domain."""
 
     name: str
     sha256: str
     ids: torch.Tensor  # [n]
     windows: torch.Tensor  # [n_windows, seq_len]
+    facts: dict = field(default_factory=dict)  # {"collection", "language", "domain"} of a part of a set
 
 
 @dataclass
@@ -120,8 +127,26 @@ def _file_sha(path: Path) -> Optional[str]:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def window_count(seq_len: int, max_windows: Optional[int], max_tokens: Optional[int]) -> Optional[int]:
-    """Windows to score: at most max_windows, and no more than max_tokens tokens of text in all."""
+def expand_datasets(names: list[str]) -> list[tuple[str, Optional[mix.Part], Optional[str]]]:
+    """Dataset names with each shipped set (eval-v1) expanded into its parts: (name, part or None, set name)."""
+    out = []
+    for name in names:
+        head, _, tail = name.partition("/")
+        if mix.is_collection(name):
+            coll = mix.load_collection(name)
+            out += [(p.name, p, coll.name) for p in coll.parts]
+        elif tail and mix.is_collection(head) and not Path(name).exists():
+            out.append((tail, mix.load_collection(head).part(tail), head))
+        else:
+            out.append((name, None, None))
+    return out
+
+
+def window_count(seq_len: int, max_windows, max_tokens: Optional[int], part: bool = False) -> Optional[int]:
+    """Windows to score: at most max_windows ("auto": 16 for a text alone, 4 per part of a shipped set; None or
+    0: all), and no more than max_tokens tokens of text in all."""
+    if max_windows == "auto":
+        max_windows = AUTO_WINDOWS["part" if part else "text"]
     counts = [c for c in (max_windows, max_tokens and max(max_tokens // seq_len, 0)) if c]
     if max_tokens and max_tokens < seq_len:
         raise CalibrationDataError(f"--max-tokens {max_tokens} is less than one window of {seq_len} tokens; "
@@ -165,21 +190,26 @@ def prepare(original: str, checkpoints: list[str], datasets: list[str], seq_len:
     same_files = [ref_tokenizer is not None and _file_sha(s.path / "tokenizer.json") == ref_tokenizer
                   for s in subjects]
     texts = []
-    for name in datasets:
-        text = load_text(name, text_column, encoding)
+    expanded = expand_datasets(datasets)
+    names = [name for name, _, _ in expanded]
+    if len(set(names)) != len(names):
+        raise CalibrationDataError(f"--dataset lists the same text twice: {', '.join(names)}")
+    for name, part, coll in expanded:
+        facts = {"collection": coll, "language": part.language, "domain": part.domain} if part else {}
+        text = mix.part_text(part, tokenizers[0])[0] if part else load_text(name, text_column, encoding)
         ids = tokenize(tokenizers[0], text)
         for s, tok, same in zip(subjects[1:], tokenizers[1:], same_files[1:]):
             if not same and not torch.equal(tokenize(tok, text), ids):
                 raise CheckpointError(f"{s.spec} tokenizes {name} differently from the original {ref.spec}: "
                                       "the comparison needs the original's tokenizer; copy it into the checkpoint")
-        n = window_count(seq_len, max_windows, max_tokens)
+        n = window_count(seq_len, max_windows, max_tokens, part is not None)
         wins = windows(ids, seq_len, n, bos)
         scored = wins.shape[0] * (seq_len - 1)
         if scored < MIN_SCORED_TOKENS:
             raise CalibrationDataError(f"only {scored} tokens of {name} would be scored; a measurement over fewer "
                                        f"than {MIN_SCORED_TOKENS} is noise. Use a longer text, a larger --seq-len "
                                        "or more windows")
-        texts.append(Text(name, hashlib.sha256(text.encode("utf-8")).hexdigest(), ids, wins))
+        texts.append(Text(name, hashlib.sha256(text.encode("utf-8")).hexdigest(), ids, wins, facts))
     _check_memory(subjects, dtype)
     return subjects, texts, bos
 
@@ -259,7 +289,7 @@ def score(models: list[nn.Module], texts: list[Text], batch_size: int = 1, kv_ca
 
 
 def evaluate(original: str, checkpoints: list[str], datasets: list[str], seq_len: int = 2048,
-             max_windows: Optional[int] = 16, max_tokens: Optional[int] = None, batch_size: int = 1,
+             max_windows="auto", max_tokens: Optional[int] = None, batch_size: int = 1,
              dtype: str = "auto", device: str = "cpu", offload: str = "none", kv_cache_dtype: Optional[str] = None,
              text_column: str = "text", encoding: str = "utf-8", progress: bool = False) -> Evaluation:
     """Compare `checkpoints` with `original` on `datasets`; see the module docstring."""
@@ -310,7 +340,7 @@ def evaluate(original: str, checkpoints: list[str], datasets: list[str], seq_len
         "kv_cache_dtype": f"{kv_cache_dtype} (the checkpoints; the original as loaded)" if kv_cache_dtype else "auto",
         "batch_size": batch_size,
         "datasets": [{"name": t.name, "sha256": t.sha256, "text_tokens": t.ids.numel(),
-                      "windows": t.windows.shape[0], "scored_tokens": t.windows.shape[0] * (seq_len - 1)}
+                      "windows": t.windows.shape[0], "scored_tokens": t.windows.shape[0] * (seq_len - 1), **t.facts}
                      for t in texts],
     }
     notes = list(dict.fromkeys(m["compute"] for m in model_info))
@@ -344,4 +374,43 @@ def format_table(rows: list[dict]) -> str:
             else:
                 lines.append(f"{r['model']:<{width}}  {r['ppl']:9.3f}  {r['delta_ppl']:+8.3f}  {r['delta_pct']:+7.2f}%  "
                              f"{r['kld_mean']:8.4f}  {r['kld_p99']:8.4f}  {r['top1_pct']:7.2f}")
+    return "\n".join(lines)
+
+
+def worst_rows(rows: list[dict]) -> list[dict]:
+    """Per checkpoint, its row with the largest mean KLD (the language or domain it serves worst)."""
+    out = {}
+    for r in rows:
+        if r["role"] == "checkpoint" and r.get("kld_mean") is not None and math.isfinite(r["kld_mean"]):
+            if r["model"] not in out or r["kld_mean"] > out[r["model"]]["kld_mean"]:
+                out[r["model"]] = r
+    return list(out.values())
+
+
+def format_domains(rows: list[dict], protocol: dict) -> str:
+    """With several texts: one line per text (its language and domain) with each checkpoint's mean KLD and ppl
+    delta, the worst text of each checkpoint marked, then one line per checkpoint naming it."""
+    facts = {d["name"]: d for d in protocol["datasets"]}
+    if len(facts) < 2:
+        return ""
+    models = list(dict.fromkeys(r["model"] for r in rows if r["role"] == "checkpoint"))
+    worst = {r["model"]: r["dataset"] for r in worst_rows(rows)}
+    width = max(len(n) for n in facts)
+    lines = ["per language and domain: mean KLD (ppl delta %), * the worst of each checkpoint",
+             f"{'text':<{width}}  {'lang':<5} {'domain':<9}  " + "  ".join(f"{m[-22:]:>22}" for m in models)]
+    for name, d in facts.items():
+        cells = []
+        for m in models:
+            r = next((r for r in rows if r["dataset"] == name and r["model"] == m), None)
+            if r is None or r.get("kld_mean") is None or r.get("delta_pct") is None:
+                cells.append(f"{'ERROR':>22}")
+                continue
+            mark = "*" if worst.get(m) == name else " "
+            cells.append(f"{r['kld_mean']:.4f}{mark} ({r['delta_pct']:+6.2f}%)".rjust(22))
+        lines.append(f"{name:<{width}}  {d.get('language', '-'):<5} {d.get('domain', '-'):<9}  " + "  ".join(cells))
+    for m in models:
+        if m in worst:
+            r = next(r for r in rows if r["model"] == m and r["dataset"] == worst[m])
+            lines.append(f"worst for {m}: {worst[m]} (KLD {r['kld_mean']:.4f}, ppl {r['delta_pct']:+.2f}%, top-1 "
+                         f"{r['top1_pct']:.1f}%)")
     return "\n".join(lines)

@@ -135,8 +135,46 @@ def blocks(data: dict) -> list[Block]:
     datasets = [d["name"] for d in ev["protocol"]["datasets"]]
     out = [Block("h1", f"quantkit report: {len(ckpts) - 1} checkpoint(s) of {display_name(ckpts[0]['model'])}"),
            Block("p", f"Written {data['created']} by quantkit {data['quantkit_version']} on {data['machine']}.")]
-    return (out + _summary(ckpts, ev["results"], datasets) + _protocol(ev["protocol"]) + _plots(datasets[0])
-            + _checkpoints(ckpts) + _generations(data))
+    summary = (_summary(ckpts, ev["results"], datasets) if len(datasets) <= 2
+               else _overview(ckpts, ev["results"]) + _domains(ckpts, ev["results"], ev["protocol"]["datasets"]))
+    return (out + summary + _protocol(ev["protocol"]) + _plots(datasets[0]) + _checkpoints(ckpts)
+            + _generations(data))
+
+
+def _row(rows: list[dict], dataset: str, model: str) -> dict:
+    return next(r for r in rows if r["dataset"] == dataset and r["model"] == model)
+
+
+def _overview(ckpts: list[dict], rows: list[dict]) -> list[Block]:
+    """Many texts: one line per checkpoint with its mean KLD over the texts and the text it serves worst."""
+    from quantkit.eval.compare import worst_rows
+
+    worst = {r["model"]: r for r in worst_rows(rows)}
+    header = ("checkpoint", "recipe", "size MB", "bits/weight", "mean KLD over texts", "worst text", "its KLD",
+              "its Δ ppl %")
+    table = []
+    for c in ckpts[1:]:
+        mine = [r["kld_mean"] for r in rows if r["model"] == c["model"] and r.get("kld_mean") is not None]
+        w = worst.get(c["model"], {})
+        table.append((display_name(c["model"]), c.get("recipe") or "-", _f(c["file_bytes"] / 1e6, ".1f"),
+                      _f(c["bits_per_weight"], ".2f"), _f(sum(mine) / len(mine) if mine else None, ".4f"),
+                      w.get("dataset", "-"), _f(w.get("kld_mean"), ".4f"), _f(w.get("delta_pct"), "+.2f")))
+    return [Block("h2", "Summary"), Block("table", header=header, rows=tuple(table))]
+
+
+def _domains(ckpts: list[dict], rows: list[dict], texts: list[dict]) -> list[Block]:
+    """One line per text (language, domain): each checkpoint's KLD, ppl delta and top-1."""
+    header = ["text", "language", "domain", "original ppl"]
+    for c in ckpts[1:]:
+        header += [f"{display_name(c['model'])} KLD", "Δ ppl %", "top-1 %"]
+    table = []
+    for d in texts:
+        line = [d["name"], d.get("language", "-"), d.get("domain", "-"), _f(_row(rows, d["name"], ckpts[0]["model"])["ppl"], ".3f")]
+        for c in ckpts[1:]:
+            r = _row(rows, d["name"], c["model"])
+            line += [_f(r.get("kld_mean"), ".4f"), _f(r.get("delta_pct"), "+.2f"), _f(r.get("top1_pct"), ".2f")]
+        table.append(tuple(line))
+    return [Block("h2", "Per language and domain"), Block("table", header=tuple(header), rows=tuple(table))]
 
 
 def _summary(ckpts: list[dict], rows: list[dict], datasets: list[str]) -> list[Block]:

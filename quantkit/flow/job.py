@@ -22,17 +22,19 @@ from quantkit.calibration import distributed
 from quantkit.calibration.activations import Activations, Budget
 from quantkit.checkpoints.atomic import check_free_space, check_output_free, check_writable, clean_stale_for, scratch_dir
 from quantkit.checkpoints.finite import check_source
-from quantkit.checkpoints.loader import checkpoint_dtype, compute_choice, load, model_config
+from quantkit.checkpoints.loader import checkpoint_dtype, compute_choice, load, load_tokenizer, model_config
 from quantkit.checkpoints.resolve import resolve_model
 from quantkit.errors import QuantizationError
+from quantkit.flow import domain_check
 from quantkit.flow import resume as resume_mod
+from quantkit.flow import self_calibration
 from quantkit.flow.onload import OnloadedModel, skeleton
 from quantkit.flow.pipeline import Stage, build_stages, quantize_model
 from quantkit.flow.plan import Plan, Throughput, make_plan
 from quantkit.flow.recipe import Recipe
 from quantkit.flow.record import QuantizeRecord
-from quantkit.flow.sources import (calibration_batches, check_given_batches, float_source, given_data, model_source,
-                                   tokenizer_file_bytes)
+from quantkit.flow.sources import (SELF, calibration_batches, check_given_batches, float_source, given_data,
+                                   held_back_windows, model_source, tokenizer_file_bytes)
 from quantkit.flow.write import run_layers, run_silent, write_whole
 from quantkit.formats import model_config as model_fields
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, read_config
@@ -219,7 +221,29 @@ class _Job:
         if onloaded is None and writes:
             write_whole(model, record, self.out, overwrite=opts.overwrite, max_shard_bytes=opts.max_shard_bytes,
                         keep_remote_code=opts.trust_remote_code, notify=opts.notify)
-        return (model if onloaded is None else None), record
+        kept = model if onloaded is None else None
+        self.check_domains(kept, record)
+        return kept, record
+
+    def check_domains(self, kept: Optional[nn.Module], record: QuantizeRecord) -> None:
+        """After a calibrated run of a checkpoint on the recipe's own data: its KLD per calibration part on held-back
+        windows against round-to-nearest's (`flow.domain_check`), a warning for any part where it is worse."""
+        opts, cal = self.opts, self.recipe.calibration
+        if (self.given is not None or opts.texts is not None or opts.batches is not None or self.world.active
+                or not domain_check.is_calibrated(self.recipe) or cal.check_samples == 0):
+            return
+        held = held_back_windows(self.source, self.recipe, self.adapter.needs_bos, config=self.raw)
+        def quantize(model, recipe: Recipe, out: Optional[Path]) -> Optional[nn.Module]:
+            quiet = Options(output=out, load="whole" if out is None else "layers", notify=lambda _: None,
+                            dtype=self.choice.dtype)
+            return run(model if out is None else str(model), recipe, quiet)[0]
+
+        rows, record.domain_warning = domain_check.run_check(
+            self.source, kept, self.out, self.recipe, held, self.choice.dtype, opts.notify, quantize,
+            layers=kept is None)
+        if rows is not None:
+            record.domain_check = rows
+            domain_check.record_rows(self.out if self.world.is_writer else None, rows)
 
     def _pipeline(self, model, stages, batches, activations, onloaded, record, state, before_files):
         opts = self.opts
@@ -285,10 +309,13 @@ class _Job:
         if opts.batches is not None:
             check_given_batches(opts.batches, self.raw, str(self.source or "the model"))
             batches = list(opts.batches)
+        elif any(s.algorithm.needs_data() for s in stages) and opts.texts is None and \
+                self.recipe.calibration.dataset == SELF:
+            batches = self.self_generated(model)
         elif any(s.algorithm.needs_data() for s in stages):
             texts = None if opts.texts is None else list(opts.texts)
             batches = calibration_batches(self.source, self.recipe, self.adapter.needs_bos, opts.tokenizer, texts,
-                                          config=self.raw)
+                                          config=self.raw, notify=opts.notify)
         else:
             return None, Activations()
         if world.active:
@@ -301,6 +328,23 @@ class _Job:
             return batches, Activations()  # in memory: there is no output beside which they could wait on disk
         return batches, _activations(batches, model.config.hidden_size, self.choice.dtype, budget, self.out, scratch,
                                      opts.notify)
+
+    def self_generated(self, model: nn.Module) -> list[torch.Tensor]:
+        """calibration.dataset: self: windows the float model writes itself (`flow.self_calibration`), by the model in
+        memory when it is whole, else by the source loaded whole for the purpose (and dropped after)."""
+        cal, opts = self.recipe.calibration, self.opts
+        tokenizer = opts.tokenizer if opts.tokenizer is not None else load_tokenizer(self.source)
+        bos = tokenizer.bos_token_id if self.adapter.needs_bos else None
+        whole = model if self.opts.load == "whole" else None
+        if whole is None:
+            try:
+                whole = load(self.source, dtype=self.choice.dtype)
+            except DoesNotFitError as exc:
+                raise QuantizationError(f"calibration.dataset: self generates with the whole model in memory: "
+                                        f"{exc.what}; calibrate on the shipped mix (dataset: mix-v1)") from None
+        ids = self_calibration.self_windows(whole, tokenizer, self.source, cal.num_samples, cal.seq_len, cal.seed, bos,
+                                            opts.notify)
+        return list(ids.split(cal.batch_size))
 
     def run_state(self, batches) -> "resume_mod.RunState":
         """The resumable state of a layer-by-layer run (a stopped one continued with `resume`)."""

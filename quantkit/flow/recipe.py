@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, Field, PositiveInt, PrivateAttr, ValidationError, create_model, model_validator
+from pydantic import BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, PrivateAttr, ValidationError, create_model, model_validator
 
 from quantkit.errors import QuantkitError, RecipeError
 from quantkit.platform.paths import RECIPES_DIR
@@ -66,7 +66,12 @@ SchemeSpec = create_model(
 
 
 class CalibrationSpec(_Strict):
-    dataset: str = "sensesensibility"  # a shipped text name, a local .txt/.jsonl/.parquet, or a hub dataset
+    # the shipped mix of languages, code and dialogues (`mix-v1`), `self` (text the model samples itself from
+    # seed prompts), a shipped text name, a local .txt/.jsonl/.parquet, or a hub dataset
+    dataset: str = "mix-v1"
+    mix: Optional[dict[str, NonNegativeFloat]] = None  # a mix's parts' shares of the windows (default: the manifest's)
+    # held-back windows per part (never calibrated on) for the per-domain check against round-to-nearest; 0: no check
+    check_samples: NonNegativeInt = 2
     text_column: str = "text"  # column holding the text in .jsonl / .parquet / hub datasets
     encoding: str = "utf-8"  # of a .txt file
     num_samples: PositiveInt = 64

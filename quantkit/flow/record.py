@@ -43,6 +43,8 @@ class QuantizeRecord:
     zeroed_nonfinite: list = field(default_factory=list)
     plan: Optional[dict] = None  # the estimate made before the work, next to the measured peaks
     activations: Optional[dict] = None  # the calibration activations' budget, peak and bytes spilled to disk
+    domain_check: Optional[list] = None  # per calibration part: KLD on held-back windows, this recipe and RTN
+    domain_warning: Optional[str] = None  # the parts where this recipe is worse than RTN, in words
 
     @property
     def quantized(self) -> dict:
@@ -95,6 +97,7 @@ class QuantizeRecord:
             "zeroed_nonfinite": self.zeroed_nonfinite,
             "plan": self.plan,
             "activations": self.activations,
+            **({"domain_check": self.domain_check} if self.domain_check is not None else {}),
             "layers": self.result.layers,
         }
 
