@@ -214,31 +214,34 @@ def file_sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def build(debs: Path) -> None:
-    ref_pkgs = [f"debian-reference-{s}" for s in LANGS.values()]
-    faq_pkgs = [f"debian-faq{'-' + s if s else ''}" for s in FAQ_LANGS.values()]
-    trees = fetch(debs, ref_pkgs + faq_pkgs)
+REF_SOURCE = {"version": REF_VERSION, "license": "GPL-2+", "origin": "Debian Reference, Osamu Aoki and translators"}
+CODE_SOURCE = {"package": f"Python {sys.version.split()[0]} standard library", "version": sys.version.split()[0],
+               "license": "PSF-2.0", "origin": "Python Software Foundation"}
+FAQ_SOURCE = {"package": "debian-faq, -zh-cn, -ja, -de, -fr", "version": FAQ_VERSION, "license": "GPL-2+",
+              "origin": "The Debian FAQ, Susan G. Kleinmann, Sven Rudolph, Santiago Vila, Josip Rodin, "
+                        "Javier Fernandez-Sanguino and translators"}
+AUSTEN = {"package": "Project Gutenberg texts of Jane Austen's novels", "version": "-", "license": "public domain",
+          "origin": "Jane Austen"}
+
+
+def manual_parts(trees: dict, cal_parts: list, eval_parts: list, cal_hashes: set) -> None:
+    """manual-<lang> on both sides: calibration chapters, then evaluation chapters (paragraphs not calibrated on)."""
     english = {sha(p) for ps in reference_docs(trees["debian-reference-en"], "en", set()).values() for p in ps}
-    cal_parts, eval_parts = [], []
-    cal_hashes: set[str] = set()
-    MIX_DIR.mkdir(parents=True, exist_ok=True)
-    EVAL_DIR.mkdir(parents=True, exist_ok=True)
-    ref_source = lambda lang: {"package": f"debian-reference-{LANGS[lang]}", "version": REF_VERSION,  # noqa: E731
-                               "license": "GPL-2+", "origin": "Debian Reference, Osamu Aoki and translators"}
     for lang in LANGS:
         docs = reference_docs(trees[f"debian-reference-{LANGS[lang]}"], lang, english)
-        cal = [(n, p) for n, p in docs.items() if n not in EVAL_CHAPTERS]
-        ev = [(n, p) for n, p in docs.items() if n in EVAL_CHAPTERS]
-        text, used = take(cal, CAL_BYTES, set())
+        source = {"package": f"debian-reference-{LANGS[lang]}", **REF_SOURCE}
+        text, used = take([(n, p) for n, p in docs.items() if n not in EVAL_CHAPTERS], CAL_BYTES, set())
         cal_hashes |= {sha(p) for p in text.split("\n\n")}
         cal_parts.append(("text", f"manual-{lang}", lang, "technical", write_part(MIX_DIR, f"manual-{lang}.txt", text),
-                          ref_source(lang), used))
-        text, used = take(ev, EVAL_BYTES, cal_hashes)
+                          source, used))
+        text, used = take([(n, p) for n, p in docs.items() if n in EVAL_CHAPTERS], EVAL_BYTES, cal_hashes)
         eval_parts.append(("text", f"manual-{lang}", lang, "technical", write_part(EVAL_DIR, f"manual-{lang}.txt", text),
-                           ref_source(lang), used))
+                           source, used))
+
+
+def code_parts(cal_parts: list, eval_parts: list, cal_hashes: set) -> None:
+    """code-python: different standard-library modules on each side."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    code_source = {"package": f"Python {sys.version.split()[0]} standard library", "version": sys.version.split()[0],
-                   "license": "PSF-2.0", "origin": "Python Software Foundation"}
     for side, modules, limit, directory, parts in (("cal", CODE_CAL, CAL_BYTES, MIX_DIR, cal_parts),
                                                    ("eval", CODE_EVAL, EVAL_BYTES, EVAL_DIR, eval_parts)):
         docs = [(f"{m}.py", [(stdlib / f"{m}.py").read_text(encoding="utf-8")]) for m in modules]
@@ -246,43 +249,58 @@ def build(debs: Path) -> None:
         if side == "cal":
             cal_hashes |= {sha(p) for p in text.split("\n\n")}
         parts.append(("text", "code-python", "code", "code", write_part(directory, "code-python.txt", text),
-                      code_source, used))
-    faq_source = {"package": "debian-faq, -zh-cn, -ja, -de, -fr", "version": FAQ_VERSION, "license": "GPL-2+",
-                  "origin": "The Debian FAQ, Susan G. Kleinmann, Sven Rudolph, Santiago Vila, Josip Rodin, "
-                            "Javier Fernandez-Sanguino and translators"}
+                      CODE_SOURCE, used))
+
+
+def chosen_dialogues(trees: dict, side: str, limit: int, cal_hashes: set) -> tuple[list[dict], list[dict]]:
+    """(dialogues, documents used) of one side: alternate FAQ pages per language, up to limit / languages bytes each."""
+    chosen, used, per_lang = [], [], limit // len(FAQ_LANGS)
+    for lang in FAQ_LANGS:
+        pkg = f"debian-faq{'-' + FAQ_LANGS[lang] if FAQ_LANGS[lang] else ''}"
+        pages = faq_dialogues(trees[pkg], lang)
+        names = sorted(pages)
+        size = 0
+        for name in (names[0::2] if side == "cal" else names[1::2]):
+            kept = [d for d in pages[name] if side == "cal" or sha(dialogue_text(d)) not in cal_hashes]
+            for d in kept:
+                d["source"] = f"{pkg}: {name}"
+            if not kept:
+                continue
+            chosen += kept
+            used.append({"document": f"{pkg}/{name}",
+                         "sha256": sha("\n".join(json.dumps(d, ensure_ascii=False) for d in kept)), "paragraphs": len(kept)})
+            size += sum(len(dialogue_text(d).encode("utf-8")) for d in kept)
+            if size >= per_lang:
+                break
+    return chosen, used
+
+
+def chat_parts(trees: dict, cal_parts: list, eval_parts: list, cal_hashes: set) -> None:
+    """chat: FAQ dialogues in five languages, different pages on each side."""
     for side, limit, directory, parts in (("cal", 2 * CAL_BYTES, MIX_DIR, cal_parts),
                                           ("eval", EVAL_BYTES, EVAL_DIR, eval_parts)):
-        chosen, used, per_lang = [], [], limit // len(FAQ_LANGS)
-        for lang in FAQ_LANGS:
-            pkg = f"debian-faq{'-' + FAQ_LANGS[lang] if FAQ_LANGS[lang] else ''}"
-            pages = faq_dialogues(trees[pkg], lang)
-            names = sorted(pages)
-            mine = names[0::2] if side == "cal" else names[1::2]
-            size = 0
-            for name in mine:
-                kept = [d for d in pages[name] if side == "cal" or sha(dialogue_text(d)) not in cal_hashes]
-                for d in kept:
-                    d["source"] = f"{pkg}: {name}"
-                if not kept:
-                    continue
-                chosen += kept
-                used.append({"document": f"{pkg}/{name}", "sha256": sha("\n".join(json.dumps(d, ensure_ascii=False)
-                                                                                 for d in kept)),
-                             "paragraphs": len(kept)})
-                size += sum(len(dialogue_text(d).encode("utf-8")) for d in kept)
-                if size >= per_lang:
-                    break
+        chosen, used = chosen_dialogues(trees, side, limit, cal_hashes)
         if side == "cal":
             cal_hashes |= {sha(dialogue_text(d)) for d in chosen}
         path = directory / "chat.jsonl"
         path.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in chosen), encoding="utf-8")
-        parts.append(("chat", "chat", "multi", "chat", path, faq_source, used))
-    austen = {"package": "Project Gutenberg texts of Jane Austen's novels", "version": "-", "license": "public domain",
-              "origin": "Jane Austen"}
-    cal_parts.insert(0, ("text", "prose-en", "en", "prose", ROOT / "calibration_data" / "sensesensibility.txt", austen,
-                         [{"document": "Sense and Sensibility"}]))
-    eval_parts.insert(0, ("text", "prose-en", "en", "prose", ROOT / "evals" / "data" / "emma.txt", austen,
-                          [{"document": "Emma"}]))
+        parts.append(("chat", "chat", "multi", "chat", path, FAQ_SOURCE, used))
+
+
+def build(debs: Path) -> None:
+    ref_pkgs = [f"debian-reference-{s}" for s in LANGS.values()]
+    faq_pkgs = [f"debian-faq{'-' + s if s else ''}" for s in FAQ_LANGS.values()]
+    trees = fetch(debs, ref_pkgs + faq_pkgs)
+    MIX_DIR.mkdir(parents=True, exist_ok=True)
+    EVAL_DIR.mkdir(parents=True, exist_ok=True)
+    cal_parts = [("text", "prose-en", "en", "prose", ROOT / "calibration_data" / "sensesensibility.txt", AUSTEN,
+                  [{"document": "Sense and Sensibility"}])]
+    eval_parts = [("text", "prose-en", "en", "prose", ROOT / "evals" / "data" / "emma.txt", AUSTEN,
+                   [{"document": "Emma"}])]
+    cal_hashes: set[str] = set()
+    manual_parts(trees, cal_parts, eval_parts, cal_hashes)
+    code_parts(cal_parts, eval_parts, cal_hashes)
+    chat_parts(trees, cal_parts, eval_parts, cal_hashes)
     write_manifest(MIX_DIR, "mix-v1", "calibration", cal_parts, MIX_WEIGHTS)
     write_manifest(EVAL_DIR, "eval-v1", "evaluation", eval_parts, None)
 

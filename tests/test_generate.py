@@ -53,6 +53,30 @@ def test_top_k_top_p_min_p_exact():
     assert torch.isfinite(kept).tolist() == [True, False, True, False]
 
 
+def test_top_p_over_candidates_equals_a_full_sort():
+    """top-p ranks only the tokens that can be kept (topk, widened until they hold p): the same set as sorting
+    the whole vocabulary, for peaked and flat distributions of Gemma's vocabulary size."""
+    def reference(logits, p):
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = (probs.cumsum(-1) - probs) >= p
+        out = logits.clone()
+        out[order[drop]] = -INF
+        return out
+
+    gen = torch.Generator().manual_seed(0)
+    for scale in (8.0, 2.0, 0.05):  # peaked (a few tokens), wide (hundreds: the candidates widen), nearly flat
+        logits = torch.randn(262144, generator=gen) * scale
+        for p in (0.5, 0.9, 0.95):
+            ours, ref = apply_top_p(logits, p), reference(logits, p)
+            kept, kept_ref = torch.isfinite(ours), torch.isfinite(ref)
+            assert torch.equal(ours[kept], logits[kept])
+            if scale > 1:
+                assert torch.equal(kept, kept_ref), (scale, p)
+            else:  # ~250000 near-equal probabilities: float32 sums in another order move the edge by a token or two
+                assert (kept ^ kept_ref).sum() <= 2 and kept.sum() > 100_000, (scale, p)
+
+
 def test_stage_order_penalties_then_temperature_then_filters():
     logits = torch.tensor([4.0, 3.0, 0.0])
     seen = torch.tensor([True, False, False])

@@ -83,15 +83,26 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, NEG_INF)
 
 
+TOP_P_CANDIDATES = 256  # tokens ranked first; widened x8 while they hold less than p of the probability
+
+
 def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest prefix of the tokens ranked by probability whose probability reaches p (the top token
+    always). Only the candidates that can be in that prefix are ranked (`torch.topk`, widened until they hold p):
+    sorting Gemma's whole 262144-token vocabulary took 96 ms per token on one core, the first 256 well under 1."""
     if p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, descending=True)
-    probs = sorted_logits.softmax(-1)
-    before = probs.cumsum(-1) - probs  # probability of the tokens ranked above each one
-    drop = before >= p  # keep the smallest prefix whose probability reaches p (the top token always)
-    out = logits.clone()
-    out[order[drop]] = NEG_INF
+    probs = logits.softmax(-1)
+    k = min(TOP_P_CANDIDATES, probs.numel())
+    while True:
+        top, order = torch.topk(probs, k)  # sorted, descending
+        if k == probs.numel() or float(top.sum()) >= p:
+            break
+        k = min(8 * k, probs.numel())
+    before = top.cumsum(-1) - top  # probability of the tokens ranked above each one
+    keep = order[before < p]
+    out = torch.full_like(logits, NEG_INF)
+    out[keep] = logits[keep]
     return out
 
 
