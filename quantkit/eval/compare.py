@@ -397,7 +397,7 @@ def format_domains(rows: list[dict], protocol: dict) -> str:
     worst = {r["model"]: r["dataset"] for r in worst_rows(rows)}
     width = max(len(n) for n in facts)
     lines = ["per language and domain: mean KLD (ppl delta %), * the worst of each checkpoint",
-             f"{'text':<{width}}  {'lang':<5} {'domain':<9}  " + "  ".join(f"{m[-22:]:>22}" for m in models)]
+             f"{'text':<{width}}  {'lang':<5} {'domain':<9}  " + "  ".join(f"{(Path(m).name or m)[-22:]:>22}" for m in models)]
     for name, d in facts.items():
         cells = []
         for m in models:
