@@ -37,16 +37,11 @@ class Part:
     sha256: str
     weight: float = 0.0  # share of the calibration windows (calibration mixes only)
 
-    @property
-    def label(self) -> str:
-        return f"{self.name} ({self.language}, {self.domain})"
-
 
 @dataclass(frozen=True)
 class Collection:
     name: str
     role: str  # "calibration" or "evaluation"
-    directory: Path
     parts: tuple[Part, ...]
 
     def part(self, name: str) -> Part:
@@ -80,7 +75,7 @@ def load_collection(name: str) -> Collection:
     raw = json.loads(manifest.read_text(encoding="utf-8"))
     parts = tuple(Part(p["name"], p["kind"], p["language"], p["domain"], (manifest.parent / p["file"]).resolve(),
                        p["sha256"], float(p.get("weight", 0.0))) for p in raw["parts"])
-    return Collection(raw["name"], raw["role"], manifest.parent, parts)
+    return Collection(raw["name"], raw["role"], parts)
 
 
 def read_part(part: Part) -> str:

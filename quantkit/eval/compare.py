@@ -37,7 +37,6 @@ LOGIT_ELEMENTS = 1 << 25  # floats of one logits chunk (128 MB): positions per c
 MEMORY_SHARE = 0.9  # refuse when the models would take more than this share of the available memory
 
 
-DEFAULT_DATASET = "eval-v1"  # the shipped evaluation set: one text per language and domain
 AUTO_WINDOWS = {"text": 16, "part": 4}  # windows per text for max_windows="auto": a text alone, a part of a set
 
 
@@ -163,8 +162,10 @@ def prepare(original: str, checkpoints: list[str], datasets: list[str], seq_len:
 
     if not datasets:
         raise CalibrationDataError("no dataset to evaluate on; pass --dataset NAME (emma, persuasion or a file)")
-    if len(set(datasets)) != len(datasets):
-        raise CalibrationDataError(f"--dataset lists the same text twice: {', '.join(datasets)}")
+    expanded = expand_datasets(datasets)
+    names = [name for name, _, _ in expanded]
+    if len(set(names)) != len(names):
+        raise CalibrationDataError(f"--dataset lists the same text twice: {', '.join(names)}")
     specs = [original] + list(checkpoints)
     seen = {}
     subjects, raws = [], []
@@ -190,10 +191,6 @@ def prepare(original: str, checkpoints: list[str], datasets: list[str], seq_len:
     same_files = [ref_tokenizer is not None and _file_sha(s.path / "tokenizer.json") == ref_tokenizer
                   for s in subjects]
     texts = []
-    expanded = expand_datasets(datasets)
-    names = [name for name, _, _ in expanded]
-    if len(set(names)) != len(names):
-        raise CalibrationDataError(f"--dataset lists the same text twice: {', '.join(names)}")
     for name, part, coll in expanded:
         facts = {"collection": coll, "language": part.language, "domain": part.domain} if part else {}
         text = mix.part_text(part, tokenizers[0])[0] if part else load_text(name, text_column, encoding)

@@ -5,7 +5,7 @@ lacks it can do worse than plain round-to-nearest (English-only GPTQ on Chinese 
 the quantized model and a round-to-nearest copy of the same scheme (`rtn_counterpart`: every GPTQ stage made
 RTN, AWQ's scaling dropped) are compared with the original on windows of each calibration part that
 calibration did not use (`flow.sources.held_back_windows`): KL(original || model) per part. Any part where the
-calibrated model's KLD is above round-to-nearest's is named in a warning; the rows go to quantkit.json
+calibrated model's KLD is above round-to-nearest's is named in a warning; the rows go to the record and so to quantkit.json
 (`domain_check`). A layer-by-layer run's check reads every model from disk a layer at a time, so it stays within
 the run's memory.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -68,9 +67,9 @@ def compare(models: list[nn.Module], held_back: dict[str, torch.Tensor]) -> list
     return rows
 
 
-def format_rows(rows: list[dict]) -> list[str]:
+def format_rows(rows: list[dict]) -> str:
     cells = ", ".join(f"{r['part']} {r['kld']:.4f}/{r['kld_rtn']:.4f}" for r in rows)
-    return [f"domain check (KLD on held-back calibration windows, this recipe / round-to-nearest): {cells}"]
+    return f"domain check (KLD on held-back calibration windows, this recipe / round-to-nearest): {cells}"
 
 
 def worse_than_rtn(rows: list[dict]) -> list[dict]:
@@ -126,23 +125,15 @@ def run_check(source: Optional[Path], quantized: Optional[nn.Module], output: Op
         ours = quantized if quantized is not None else load(output, dtype=dtype, offload=offload)
         rows = compare([original, ours, rtn], held_back)  # (no_grad inside: inference tensors would stay in `ours`)
         del original, ours, rtn
-    for line in format_rows(rows):
-        notify(line)
+    notify(format_rows(rows))
     message = warning(rows, recipe)
     if message:
         notify(message)
     return rows, message
 
 
-def record_rows(output: Optional[Path], rows: list[dict]) -> None:
-    """Add the rows to the written quantkit.json (replaced atomically)."""
-    if output is None:
-        return
-    path = output / "quantkit.json"
-    if not path.is_file():
-        return
-    data = json.loads(path.read_text())
-    data["domain_check"] = rows
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
+def rewrite_file(path: Path, text: str) -> None:
+    """Replace a file that the run wrote (quantkit.json, now with the check's rows) atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
     os.replace(tmp, path)

@@ -242,8 +242,9 @@ class _Job:
             self.source, kept, self.out, self.recipe, held, self.choice.dtype, opts.notify, quantize,
             layers=kept is None)
         if rows is not None:
-            record.domain_check = rows
-            domain_check.record_rows(self.out if self.world.is_writer else None, rows)
+            record.domain_check = rows  # (in metadata(): quantkit.json written again from the record)
+            if self.out is not None and self.world.is_writer and (self.out / "quantkit.json").is_file():
+                domain_check.rewrite_file(self.out / "quantkit.json", record.files()["quantkit.json"])
 
     def _pipeline(self, model, stages, batches, activations, onloaded, record, state, before_files):
         opts = self.opts
