@@ -183,8 +183,9 @@ def test_grid_scheme_validation():
         QuantScheme(num_bits=4, symmetric=False, group_size=64, grid="q4_0")
     with pytest.raises(ValueError, match="fp16"):
         QuantScheme(**{**PRESETS["Q8_0"], "scale_dtype": "bfloat16"})
+    assert QuantScheme(**PRESETS["Q4_0"], actorder="static").actorder == "static"  # scales fixed before the solve
     with pytest.raises(ValueError, match="actorder"):
-        QuantScheme(**PRESETS["Q4_0"], actorder="static")
+        QuantScheme(**PRESETS["Q4_1"], actorder="static")
     with pytest.raises(CheckpointError, match="not all exact in float16"):
         grids.fp16_scale(torch.tensor([[1e-8]], dtype=torch.float32), "w")
 

@@ -79,8 +79,8 @@ class GPTQ(Algorithm):
 
     def __init__(self, config: GPTQConfig, scheme):
         super().__init__(config, scheme)
-        if config.scale_search and getattr(scheme, "grid", None) not in ("q4_0", "q4_k_m") and not ggml.is_block_grid(scheme):
-            raise RecipeError("gptq: scale_search is for GGUF's Q4_0, Q5_0, Q4_K, Q6_K grids (scheme: Q4_0, Q4_K_M, ...)")
+        if config.scale_search and getattr(scheme, "grid", None) not in ("q4_0", "q8_0", "q4_k_m") and not ggml.is_block_grid(scheme):
+            raise RecipeError("gptq: scale_search is for GGUF's Q4_0, Q8_0, Q5_0, Q4_K, Q6_K grids (scheme: Q4_0, Q8_0, Q4_K_M, ...)")
         self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed) if scheme.is_fp8 else None
 
     def true_sequential(self) -> bool:
@@ -221,9 +221,8 @@ class GPTQ(Algorithm):
                         raise HessianError("non-finite scales")
                 else:
                     # the weights themselves: the solver stacks them into its working copy in visiting order
-                    # (a Q4_K_M mixture's Q8_0 tensors take ggml's plain rule: the search is Q4_0's)
                     res = gptq_quantize(weights, H, self.scheme, scale_dtype, cfg.block_size, damp, actorder,
-                                        scale_search=cfg.scale_search and self.scheme.grid == "q4_0")
+                                        scale_search=cfg.scale_search and self.scheme.grid in ("q4_0", "q8_0"))
                     if not torch.isfinite(res.weight.scale.float()).all():
                         raise HessianError("non-finite scales")
                     weight = res.weight

@@ -23,8 +23,8 @@ GROUP = 32
 def ggml_type_of(scheme: QuantScheme) -> Optional[str]:
     """The ggml type an int scheme's weights are stored in exactly, or None (given fp16-exact scales and,
     for asymmetric int4, zero points in {0, -1}: `q4_0_blocks` checks those per tensor)."""
-    if scheme.type != "int" or scheme.strategy != "group" or scheme.group_size != GROUP or scheme.actorder:
-        return None
+    if scheme.type != "int" or scheme.strategy != "group" or scheme.group_size != GROUP:
+        return None  # (act-order "static" keeps each group's columns in place: no g_idx, the same blocks)
     if scheme.num_bits == 8 and scheme.symmetric:
         return "Q8_0"
     if scheme.num_bits == 4:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from quantkit.quant import ggml_blocks
+from quantkit.quant.scale_search import search_scale
 from quantkit.quant.schemes import QuantScheme
 
 KIND = {"q4_1": "Q4_1", "q5_0": "Q5_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}  # scheme grid -> ggml type (ggml blocks)
@@ -33,6 +34,7 @@ CODES = {"Q4_1": (0, 15), "Q5_0": (-16, 15), "Q4_K": (0, 15), "Q6_K": (-32, 31)}
 CENTER = {"Q4_1": 0, "Q5_0": 16, "Q4_K": 0, "Q6_K": 32}  # the stored code is c + CENTER
 SHRINK = tuple(1.0 - 0.05 * k for k in range(7))  # share of a range's extreme kept by a searched candidate
 SHRINK_K = (1.0, 0.9, 0.8, 0.7)  # Q4_K: each end of a sub-block's range, independently
+K4_STEPS = tuple(round(-0.9 + 0.05 * k, 2) for k in range(37))  # llama.cpp's Q4_K steps (rmin -0.9, 0.05, 36)
 FP16_MAX = torch.finfo(torch.float16).max
 
 
@@ -157,22 +159,14 @@ def _signed_extreme(x: torch.Tensor) -> torch.Tensor:
 # -- Q5_0 -----------------------------------------------------------------------------------------
 
 def fit_q5_0(x: torch.Tensor, h: Optional[torch.Tensor]) -> torch.Tensor:
-    """d float16 [...] of blocks x [..., 32]. h None: ggml's rule (the signed extreme on code -16); else
-    the candidate with the least h-weighted error: the extreme on -16 or on +15, each shrunk by SHRINK."""
+    """d float16 [...] of blocks x [..., 32]. h None: ggml's rule (the signed extreme on code -16); else the
+    float16 d (either sign) of least h-weighted error, exactly (`scale_search.search_scale`)."""
     ext = _signed_extreme(x.float())
-    best = _fp16(ext / -16.0)
     if h is None:
-        return best
-    x = x.float()
-    best_err = _error("Q5_0", x, h, best.float(), None)
-    for levels in (-16.0, 15.0):
-        for f in SHRINK:
-            d = _fp16(ext * f / levels)
-            err = _error("Q5_0", x, h, d.float(), None)
-            better = err < best_err
-            best = torch.where(better, d, best)
-            best_err = torch.where(better, err, best_err)
-    return best
+        return _fp16(ext / -16.0)
+    flat = x.float().reshape(-1, x.shape[-1])
+    hf = h.float().expand_as(x).reshape(-1, x.shape[-1])
+    return search_scale(flat, hf, -16, 15).reshape(x.shape[:-1]).to(torch.float16)
 
 
 # -- Q4_1 -----------------------------------------------------------------------------------------
@@ -200,9 +194,12 @@ def fit_q4_1(x: torch.Tensor, h: Optional[torch.Tensor]) -> tuple[torch.Tensor, 
 
 # -- Q4_K -----------------------------------------------------------------------------------------
 
-def _k4_candidates(x: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _k4_candidates(x: torch.Tensor, search: bool, h: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, min) float32 [..., n] candidates of sub-blocks x [..., 32]: the range [lo, hi] (widened to hold
-    0) with each end shrunk by SHRINK_K (only the full range when not searching); x_hat = scale q - min."""
+    0) with each end shrunk by SHRINK_K (only the full range when not searching); x_hat = scale q - min.
+    With importance h, also llama.cpp's family (`make_qkx3_quants`): codes at 1 / scale = (15 + r) / (hi - lo)
+    for r in `K4_STEPS`, each with the h-weighted least-squares (scale, min) of its codes (min kept >= 0)."""
     lo = x.amin(dim=-1).clamp(max=0.0)
     hi = x.amax(dim=-1).clamp(min=0.0)
     shrink = SHRINK_K if search else (1.0,)
@@ -211,12 +208,39 @@ def _k4_candidates(x: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.T
     hi_c = (hi.unsqueeze(-1) * a).unsqueeze(-2)  # [..., 1, n]
     scale = ((hi_c - lo_c) / 15.0).flatten(-2)
     mins = (-lo_c).expand_as(hi_c - lo_c).flatten(-2)
-    return scale, mins
+    if h is None:
+        return scale, mins
+    ls_scale, ls_min = _k4_least_squares(x, h, lo, hi)
+    return torch.cat([scale, ls_scale], -1), torch.cat([mins, ls_min], -1)
+
+
+def _k4_least_squares(x, h, lo, hi) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's candidate family for an affine 4-bit sub-block, as (scale, min) [..., len(K4_STEPS)]."""
+    r = torch.tensor(K4_STEPS, device=x.device)
+    width = (hi - lo).clamp_min(1e-30).unsqueeze(-1)
+    inv = (15.0 + r) / width  # [..., k]
+    xe = x.unsqueeze(-2)  # [..., 1, 32]
+    he = h.expand_as(x).unsqueeze(-2)
+    q = ((xe - lo.unsqueeze(-1).unsqueeze(-1)) * inv.unsqueeze(-1)).round_().clamp_(0, 15)  # [..., k, 32]
+    sw, sx = he.sum(-1), (he * xe).sum(-1)
+    sl, sl2, sxl = (he * q).sum(-1), (he * q * q).sum(-1), (he * q * xe).sum(-1)
+    det = sw * sl2 - sl * sl
+    ok = det > 0
+    safe = torch.where(ok, det, torch.ones_like(det))
+    scale = (sw * sxl - sx * sl) / safe
+    offset = (sl2 * sx - sl * sxl) / safe  # x_hat = scale q + offset
+    through_zero = ~ok | (offset > 0)  # ggml's min is <= 0 (and a degenerate fit has none): the scale alone
+    scale = torch.where(through_zero, sxl / sl2.clamp_min(1e-30), scale)
+    offset = torch.where(through_zero, torch.zeros_like(offset), offset)
+    usable = scale > 0
+    scale = torch.where(usable, scale, (width / 15.0).expand_as(scale))
+    offset = torch.where(usable, offset, lo.unsqueeze(-1).expand_as(offset))
+    return scale, -offset
 
 
 def _best_float_k4(x: torch.Tensor, h: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sub-block's best unrounded (scale, min) [...] (the full range when h is None)."""
-    scale, mins = _k4_candidates(x, h is not None)
+    scale, mins = _k4_candidates(x, h is not None, h)
     if h is None:
         return scale[..., 0], mins[..., 0]
     xe = x.unsqueeze(-2)  # [..., 1, 32]
@@ -245,7 +269,7 @@ def fit_q4_k_sub(x: torch.Tensor, h: Optional[torch.Tensor], d: torch.Tensor, dm
     6-bit roundings, then (searching) each +-1, by the h-weighted error on the 6-bit steps."""
     x = x.float()
     d32, dm32 = d.float().unsqueeze(-1), dmin.float().unsqueeze(-1)
-    scale, mins = _k4_candidates(x, h is not None)
+    scale, mins = _k4_candidates(x, h is not None, h)
     sc, m = _six_bits(scale, d32), _six_bits(mins, dm32)  # [..., n]
     if h is None:
         return sc[..., 0].to(torch.uint8), m[..., 0].to(torch.uint8)

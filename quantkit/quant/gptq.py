@@ -19,7 +19,8 @@ import torch
 
 from quantkit.quant import ggml
 from quantkit.quant.fp8 import FP8_DTYPE, FP8_MAX
-from quantkit.quant.intq import QuantizedWeight, compute_qparams, minmax_qparams, searched_grid_qparams
+from quantkit.quant.intq import (QuantizedWeight, compute_qparams, minmax_qparams, searched_grid_qparams,
+                                 searched_qparams)
 from quantkit.quant.schemes import QuantScheme
 
 
@@ -231,18 +232,18 @@ def gptq_quantize(
     error-compensated weights. With act-order, columns are visited by decreasing diag(H), and
     scales are fixed beforehand per contiguous group of the original order ("static" groups),
     so the checkpoint needs no g_idx. overwrite: W (float32) may serve as the working copy.
-    scale_search (GGUF Q4_0 grid, groups as they are reached): each group's scale is the candidate of
-    `searched_grid_qparams` with the least diag(H)-weighted error on the compensated weights, instead
-    of ggml's plain rule.
+    scale_search (GGUF Q4_0 / Q8_0 grids): each group's scale is `searched_grid_qparams`'s, of least
+    diag(H)-weighted error, instead of ggml's plain rule: on the compensated weights as the group is
+    reached, or with act-order on the original weights before the solve.
 
     W may be a list of weights sharing the input (stacked on the output dim, as one matrix): the working
     copy is then filled from them, already in visiting order, so no unpermuted stack is ever made.
     """
-    W, diag, dead, perm, scale, zp = _working_copy(W, H, scheme, scale_dtype, actorder, overwrite)
+    if scale_search and scheme.grid not in ("q4_0", "q8_0"):
+        raise ValueError("scale_search is for the Q4_0 and Q8_0 grids")
+    W, diag, dead, perm, scale, zp = _working_copy(W, H, scheme, scale_dtype, actorder, overwrite, scale_search)
     out_f, n = W.shape
     static = actorder or scheme.strategy == "channel"
-    if scale_search and (scheme.grid != "q4_0" or static):
-        raise ValueError("scale_search is for the Q4_0 grid, with groups quantized as they are reached (no actorder)")
     if not static:
         groups = scheme.group_count(n)
         scale = torch.empty(out_f, groups, dtype=scheme.scale_torch_dtype(scale_dtype), device=W.device)
@@ -261,15 +262,15 @@ def gptq_quantize(
 
 
 def _working_copy(W, H: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype, actorder: bool,
-                  overwrite: bool):
+                  overwrite: bool, scale_search: bool = False):
     """(the float32 working copy in visiting order, diag(H), dead columns, the visiting order, and the
     scales / zero points fixed beforehand where they are static, else None) for one weight or a list
     sharing the input."""
     if isinstance(W, (list, tuple)):
-        return _stack_permuted(W, H, scheme, scale_dtype, actorder)
+        return _stack_permuted(W, H, scheme, scale_dtype, actorder, scale_search)
     W, diag, dead = _prepare(W, H, overwrite)
     static = actorder or scheme.strategy == "channel"
-    scale, zp = minmax_qparams(W, scheme, scale_dtype) if static else (None, None)  # [out, groups]
+    scale, zp = _static_qparams(W, diag, scheme, scale_dtype, scale_search) if static else (None, None)
     perm = _order(diag, actorder)
     if actorder:
         W = W[:, perm]
@@ -281,7 +282,7 @@ def _int_rounder(scheme: QuantScheme, scale_dtype: torch.dtype, scale: torch.Ten
                  device: torch.device):
     """The solve's column rounding onto the int grid: round_column(j, W1, i, q, deq) writes column j's codes
     into q and its dequantized values into deq; a group's scales are made (into `scale` / `zp`) as its first
-    column is reached unless `static`. diag: diag(H), for the Q4_0 scale search (None: ggml's plain rule)."""
+    column is reached unless `static`. diag: diag(H), for the Q4_0 / Q8_0 scale search (None: ggml's plain rule)."""
     if static:  # each group's scales (and zero points) as one float32 row: [groups, out]
         s_rows = scale.float().t().contiguous()
         z_rows = zp.float().t().contiguous() if zp is not None else None
@@ -468,8 +469,14 @@ def _prepare(W: torch.Tensor, H: torch.Tensor, overwrite: bool = False) -> tuple
     return W, diag, dead
 
 
+def _static_qparams(w: torch.Tensor, diag: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype,
+                    scale_search: bool):
+    """Scales (and zero points) [out, groups] fixed before the solve: min/max, or searched under diag(H)."""
+    return searched_qparams(w, diag, scheme, scale_dtype) if scale_search else minmax_qparams(w, scheme, scale_dtype)
+
+
 def _stack_permuted(weights: list[torch.Tensor], H: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype,
-                    actorder: bool):
+                    actorder: bool, scale_search: bool = False):
     """`_prepare` + `_order` + the static scales for weights stacked on the output dim, with the float32
     working copy written straight in visiting order (row blocks of it, one weight at a time)."""
     n = weights[0].shape[1]
@@ -484,8 +491,9 @@ def _stack_permuted(weights: list[torch.Tensor], H: torch.Tensor, scheme: QuantS
     for w in weights:
         rows = W[start : start + w.shape[0]]
         start += w.shape[0]
-        if static:  # min/max of the original order, dead columns as zeros
-            s, z = minmax_qparams(w.float().masked_fill(dead, 0.0) if bool(dead.any()) else w, scheme, scale_dtype)
+        if static:  # from the original order, dead columns as zeros
+            s, z = _static_qparams(w.float().masked_fill(dead, 0.0) if bool(dead.any()) else w, diag, scheme,
+                                   scale_dtype, scale_search)
             scales.append(s)
             zps.append(z)
         if actorder:

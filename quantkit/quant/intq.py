@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from quantkit.quant.scale_search import search_scale
 from quantkit.quant.schemes import QuantScheme
 
 
@@ -84,44 +85,34 @@ def _grid_qparams(w_min: torch.Tensor, w_max: torch.Tensor, scheme: QuantScheme,
     return scale, zp
 
 
-SEARCH_SHRINK = tuple(1.0 - 0.025 * k for k in range(13))  # the extreme's share kept by a searched scale
-
-
 def searched_grid_qparams(cols: torch.Tensor, importance: torch.Tensor, scheme: QuantScheme,
                           scale_dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Q4_0 parameters of one group per output row, chosen among ggml-shaped candidates by the
-    importance-weighted squared error sum_i h_i (x_i - x_hat_i)^2 (h: the inputs' mean square, diag H).
+    """GGUF Q4_0 / Q8_0 parameters of one group per output row, chosen by the importance-weighted squared
+    error sum_i h_i (x_i - x_hat_i)^2 (h: the inputs' mean square, diag H) among `scale_search`'s
+    candidates (ggml's own rule among them); scales are float16 as the file stores them.
 
-    cols: [group, out] (a group's columns), importance: [group]. Candidates: the group's signed extreme
-    on code -8 (ggml's rule) or on code +7, each shrunk by the factors of SEARCH_SHRINK; scales rounded
-    to fp16 before the error is measured, so the winner is exactly what the file stores."""
-    assert scheme.grid == "q4_0", "the searched scale is Q4_0's"
+    cols: [group, out] (a group's columns), importance: [group]. Q4_0 returns (|d|, zero point 0 for d > 0,
+    -1 for d < 0); Q8_0 (|d|, None)."""
+    assert scheme.grid in ("q4_0", "q8_0"), "the searched scale is Q4_0's or Q8_0's"
     scale_dtype = scheme.scale_torch_dtype(scale_dtype)
+    assert scale_dtype == torch.float16, "GGUF's block scales are float16"
     x = cols.float().t()  # [out, group]
-    w_min = x.amin(dim=1).clamp(max=0.0)
-    w_max = x.amax(dim=1).clamp(min=0.0)
-    neg = -w_min >= w_max
-    ext = torch.where(neg, -w_min, w_max)  # |signed extreme|, [out]
-    h = importance.float().clamp_min(0.0)
-    best_err = torch.full_like(ext, float("inf"))
-    best_s = torch.ones_like(ext, dtype=scale_dtype)
-    best_z = torch.zeros_like(ext, dtype=torch.int8)
-    tiny = torch.finfo(scale_dtype).tiny
-    for on_minus8 in (True, False):
-        # extreme on -8: d = ext / 8 toward the extreme's side; on +7: d = ext / 7 on the other side
-        levels = 8.0 if on_minus8 else 7.0
-        z = torch.where(neg == on_minus8, 0, -1).to(torch.int8)  # zero point -1 is d < 0 in ggml's terms
-        for f in SEARCH_SHRINK:
-            sc = (ext * f / levels)
-            sc = torch.where(sc > tiny, sc, torch.ones_like(sc)).to(scale_dtype)
-            s32, z32 = sc.float().unsqueeze(1), z.float().unsqueeze(1)
-            q = (x / s32 + z32).round_().clamp_(scheme.qmin, scheme.qmax)
-            err = ((q - z32) * s32 - x).pow_(2) @ h
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_s = torch.where(better, sc, best_s)
-            best_z = torch.where(better, z, best_z)
-    return best_s, best_z
+    if scheme.grid == "q8_0":
+        d = search_scale(x, importance, scheme.qmin, scheme.qmax, symmetric=True)
+        return d.to(scale_dtype), None
+    d = search_scale(x, importance, -8, 7)  # x = d c, c in [-8, 7] (ggml: c = q - 8)
+    # as (scale, zero point): d > 0 -> (d, 0); d < 0 -> (-d, -1), x = -d (q' + 1) with q' = -c - 1 in [-8, 7]
+    return d.abs().to(scale_dtype), torch.where(d > 0, 0, -1).to(torch.int8)
+
+
+def searched_qparams(w: torch.Tensor, importance: torch.Tensor, scheme: QuantScheme,
+                     scale_dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`searched_grid_qparams` of every group of w [out, in] (importance [in]): (scale, zero point) [out, groups]."""
+    gs = scheme.group_size
+    pairs = [searched_grid_qparams(w[:, g : g + gs].t(), importance[g : g + gs], scheme, scale_dtype)
+             for g in range(0, w.shape[1], gs)]
+    scale = torch.stack([s for s, _ in pairs], dim=1)
+    return scale, (None if pairs[0][1] is None else torch.stack([z for _, z in pairs], dim=1))
 
 
 def minmax_qparams(

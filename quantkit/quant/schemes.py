@@ -121,8 +121,9 @@ class QuantScheme(StrictModel):
                              f"{self.grid.upper()}")
         if self.scale_dtype not in (None, "float16"):
             raise ValueError(f"grid {self.grid} stores fp16 scales (got scale_dtype {self.scale_dtype})")
-        if self.actorder is not None:
-            raise ValueError(f"grid {self.grid}: actorder needs scales fixed before the solve; not supported")
+        if self.actorder is not None and self.grid not in ("q4_0", "q8_0"):
+            raise ValueError(f"grid {self.grid}: actorder needs scales fixed before the solve; only Q4_0 and "
+                             "Q8_0 support it")
         object.__setattr__(self, "scale_dtype", "float16")
 
     def scale_torch_dtype(self, default: torch.dtype) -> torch.dtype:
