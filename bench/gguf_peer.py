@@ -2,11 +2,13 @@
 an importance matrix from `llama-imatrix`), all scored by `llama-perplexity` on emma.txt with
 `--kl-divergence` against the f16 GGUF that llama.cpp's own `convert_hf_to_gguf.py` makes.
 
-Both sides calibrate on the same 64 x 512 tokens: quantkit's calibration windows of sensesensibility
-(the recipe's), decoded to text for `llama-imatrix -c 512`. Needs llama.cpp's tools
-(`bash ../shared/tools/build-llamacpp.sh`; LLAMACPP_HOME, default ~/.cache/llamacpp).
+Both sides calibrate on the same 64 x 512 tokens: quantkit's calibration windows (the recipes' default,
+mix-v1), decoded to text for `llama-imatrix -c 512 --chunks 64`. Every protocol (`--protocols`, CTX x
+CHUNKS) scores every file; each quantkit row also shows its increase in perplexity and its KLD as a share
+of its llama.cpp peer's (the same file type with the importance matrix; Q8_0 has none). Needs llama.cpp's
+tools (`bash ../shared/tools/build-llamacpp.sh`; LLAMACPP_HOME, default ~/.cache/llamacpp).
 
-    python bench/gguf_peer.py smollm2-135m --chunks 40 --work /tmp/ggbench
+    python bench/gguf_peer.py smollm2-135m --work /tmp/ggbench   # both protocols: 40 x 512 and 16 x 2048
     python bench/gguf_peer.py smollm2-135m --kinds Q4_K_M --recipes gptq-q4_k_m   # one file type only
 """
 
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -79,8 +82,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="demo model name or checkpoint directory")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ggbench"))
-    ap.add_argument("--chunks", type=int, default=40, help="emma.txt windows scored (llama-perplexity --chunks)")
-    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--protocols", default="512x40,2048x16",
+                    help="llama-perplexity protocols scored, CTXxCHUNKS each (emma.txt windows of CTX tokens)")
     ap.add_argument("--recipes", default="gptq-q4_0,awq-q4_0,gptq-q4_k_m,gptq-q8_0")
     ap.add_argument("--kinds", default="Q4_0,Q4_K_M,Q8_0", help="llama-quantize file types to compare with")
     ap.add_argument("--reuse-llamacpp", action="store_true",
@@ -143,22 +146,53 @@ def _quantkit(args, model: Path, w: Path, times: dict, files: dict) -> None:
 
 
 def _report(args, L: Path, f16: Path, w: Path, times: dict, files: dict) -> None:
+    out = {}
+    for protocol in args.protocols.split(","):
+        ctx, chunks = (int(v) for v in protocol.split("x"))
+        out[protocol] = _score_protocol(L, f16, w, times, files, ctx, chunks)
+    (w / "results.json").write_text(json.dumps(out, indent=2))
+
+
+def _peer_of(name: str) -> Optional[str]:
+    """The llama.cpp row a quantkit recipe is held against (its file type with the importance matrix)."""
+    kind = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "q4_1": "Q4_1"}.get(name.rsplit("-", 1)[-1])
+    if kind is None:
+        return None
+    return f"llama.cpp {kind}" + ("" if kind == "Q8_0" else " + imatrix")
+
+
+def _score_protocol(L: Path, f16: Path, w: Path, times: dict, files: dict, ctx: int, chunks: int) -> dict:
     base = w / "f16.logits"
-    run([str(L / "llama-perplexity"), "-m", str(f16), "-f", str(EMMA), "-c", str(args.ctx), "--chunks",
-         str(args.chunks), "-t", str(os.cpu_count()), "--kl-divergence-base", str(base)], w / "f16-ppl.log")
+    run([str(L / "llama-perplexity"), "-m", str(f16), "-f", str(EMMA), "-c", str(ctx), "--chunks",
+         str(chunks), "-t", str(os.cpu_count()), "--kl-divergence-base", str(base)], w / "f16-ppl.log")
     rows = {}
     for name, path in files.items():
-        rows[name] = score(L, path, base, args.chunks, args.ctx, w / f"{path.stem}-ppl.log")
+        rows[name] = score(L, path, base, chunks, ctx, w / f"{path.stem}-{ctx}-ppl.log")
         rows[name]["seconds"] = round(times[name], 1)
     base.unlink()
     ppl0 = next(iter(rows.values()))["ppl_base"]
-    print(f"\nllama-perplexity, emma.txt, {args.chunks} x {args.ctx} tokens; KLD vs f16 ({ppl0:.4f}); "
-          f"cpu {torch.backends.cpu.get_cpu_capability()}")
-    print("| file | size MB | PPL | ΔPPL | mean KLD | same top-1 % | time s |\n|---|---|---|---|---|---|---|")
+    print(f"\nllama-perplexity, emma.txt, {chunks} x {ctx} tokens; KLD vs f16 ({ppl0:.4f}); "
+          f"cpu {torch.backends.cpu.get_cpu_capability()}, {platform_line()}")
+    print("| file | size MB | PPL | ΔPPL | mean KLD | same top-1 % | ΔPPL / peer's | KLD / peer's | time s |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
+        peer = rows.get(_peer_of(name)) if name.startswith("quantkit ") else None
+        ratio = f"{(r['ppl'] - ppl0) / (peer['ppl'] - ppl0):.2f}x" if peer and peer["ppl"] != ppl0 else "-"
+        kratio = f"{r['kld'] / peer['kld']:.2f}x" if peer and peer["kld"] else "-"
         print(f"| {name} | {r['bytes'] / 1e6:.2f} | {r['ppl']:.4f} | {r['ppl'] - ppl0:+.4f} | {r['kld']:.5f} | "
-              f"{r['top1']:.2f} | {r['seconds']} |")
-    (w / "results.json").write_text(json.dumps(rows, indent=2))
+              f"{r['top1']:.2f} | {ratio} | {kratio} | {r['seconds']} |")
+    return rows
+
+
+def platform_line() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu model unknown"
 
 
 if __name__ == "__main__":
