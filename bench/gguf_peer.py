@@ -84,8 +84,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/ggbench"))
     ap.add_argument("--protocols", default="512x40,2048x16",
                     help="llama-perplexity protocols scored, CTXxCHUNKS each (emma.txt windows of CTX tokens)")
-    ap.add_argument("--recipes", default="gptq-q4_0,awq-q4_0,gptq-q4_k_m,gptq-q8_0")
-    ap.add_argument("--kinds", default="Q4_0,Q4_K_M,Q8_0", help="llama-quantize file types to compare with")
+    ap.add_argument("--recipes", default="gptq-q4_0,awq-q4_0,gptq-q4_k_m,gptq-q8_0,gptq-q4_1")
+    ap.add_argument("--kinds", default="Q4_0,Q4_K_M,Q8_0,Q4_1", help="llama-quantize file types to compare with")
     ap.add_argument("--reuse-llamacpp", action="store_true",
                     help="keep llama.cpp's files (and their times) from an earlier run in --work; all are scored again")
     args = ap.parse_args()
