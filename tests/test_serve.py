@@ -243,6 +243,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_until_running(port: int, worker: threading.Thread) -> None:
+    """Poll /metrics until the engine reports a running request (the worker's), so a signal sent next finds
+    it in flight; fails if the worker ends first."""
+    deadline = time.monotonic() + 60
+    while worker.is_alive() and time.monotonic() < deadline:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        if "quantkit_requests_running 1" in text:
+            return
+        time.sleep(0.005)
+    raise AssertionError("the request never showed as running before it ended")
+
+
 def test_sigterm_finishes_running_requests_and_exits_0(tiny_llama, tmp_path):
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -264,12 +279,14 @@ def test_sigterm_finishes_running_requests_and_exits_0(tiny_llama, tmp_path):
         body = {"model": tiny_llama.name, "prompt": "Emma", "max_tokens": 400, "ignore_eos": True}
         worker = threading.Thread(target=lambda: result.update(reply=_post(url, "/v1/completions", body)))
         worker.start()
-        time.sleep(0.3)
+        _wait_until_running(port, worker)
         proc.send_signal(signal.SIGTERM)
         worker.join(timeout=60)
         assert proc.wait(timeout=60) == 0
         log = proc.stdout.read().decode()
-        assert "Waiting for connections to close" in log, log  # the request was still running at SIGTERM
+        # uvicorn logs a whole (non-streamed) response when it is sent: after "Shutting down" means the request
+        # was still running when the signal arrived, and it was finished rather than dropped
+        assert log.index("Shutting down") < log.index('"POST /v1/completions'), log
         status, reply = result["reply"]
         assert status == 200 and reply["usage"]["completion_tokens"] == 400  # finished, not cut off
     finally:
