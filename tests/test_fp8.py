@@ -411,8 +411,8 @@ def test_bad_fp8_input_is_rejected(tiny_llama, tmp_path):
         load_recipe("fp8-dynamic", ["stages.0.scheme.actorder=static"])
     with pytest.raises(ValueError, match="strategy tensor, channel or block"):
         QuantScheme(num_bits=8, type="float", strategy="group", group_size=None)
-    with pytest.raises(ValueError, match="activation quantization is FP8 only"):
-        QuantScheme(num_bits=4, input_activations={"strategy": "token"})
+    with pytest.raises(ValueError, match="activation quantization takes symmetric int weights"):
+        QuantScheme(num_bits=4, symmetric=False, input_activations={"strategy": "token"})
     from quantkit.checkpoints.quantization_config import parse_quantization_config
 
     qc = {"quant_method": "compressed-tensors", "config_groups": {"g": {

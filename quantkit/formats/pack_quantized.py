@@ -19,7 +19,8 @@ class PackQuantized(QuantFormat):
 
     def supports(self, scheme: QuantScheme) -> bool:
         # ggml's block grids (format ggml-blocks) and the Q4_K_M mixture are not compressed-tensors int weights
-        return scheme.type == "int" and scheme.num_bits in SUPPORTED_BITS and scheme.grid in (None, "q4_0", "q8_0")
+        return (scheme.type == "int" and scheme.num_bits in SUPPORTED_BITS and scheme.grid in (None, "q4_0", "q8_0")
+                and scheme.input_activations is None)  # with quantized activations: int-quantized
 
     def build_module(self, qw: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
         return PackedIntLinear.from_quantized(qw, bias)

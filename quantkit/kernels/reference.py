@@ -62,3 +62,46 @@ def fp8_matmul(
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype)
+
+
+INT8_MAX = 127
+
+
+def int8_quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token symmetric int8 quantization as vLLM's int8 kernels do it: s = amax(row) / 127
+    (float32), q = x * (127 / amax) rounded half to even and saturated to [-128, 127].
+
+    Returns (q [..., K] int8, s [..., 1] float32). A zero row gets codes 0 and scale 0.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv).clamp_(-128, INT8_MAX).to(torch.int8)
+    return q, amax / INT8_MAX
+
+
+def int8_matmul_reference(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                          out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(xq [M, K] int8 * x_scale [M, 1]) @ (wq [N, K] int8 * w_scale [N, 1])^T: the integer products summed
+    exactly (float64 holds every int8 x int8 sum below 2^53), then scaled in float32 as
+    x_scale * (w_scale * acc), plus the bias in float32, cast to out_dtype."""
+    acc = (xq.double() @ wq.double().t()).float()
+    return _int8_epilogue(acc, x_scale, w_scale, out_dtype, bias)
+
+
+def _int8_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    out = x_scale.float().reshape(-1, 1) * (w_scale.float().reshape(1, -1) * acc)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def int8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq_t: torch.Tensor, w_scale: torch.Tensor,
+                out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`int8_matmul_reference` through torch's int8 GEMM (`torch._int_mm`: oneDNN with VNNI / AMX on the
+    CPU, exact int32 accumulation), `wq_t` the weight codes transposed [K, N] (a transposed view of the [N, K]
+    codes is the fast layout on the CPU); the same result bit for bit
+    while every sum fits int32 (K <= 133000)."""
+    acc = torch._int_mm(xq, wq_t).float()
+    return _int8_epilogue(acc, x_scale, w_scale, out_dtype, bias)

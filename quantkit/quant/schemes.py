@@ -16,18 +16,23 @@ from quantkit.core.validation import StrictModel
 
 
 class ActivationScheme(StrictModel):
-    """FP8 input-activation quantization of a linear (compressed-tensors' `input_activations`)."""
+    """Input-activation quantization of a linear (compressed-tensors' `input_activations`): FP8 e4m3
+    (type float) or symmetric int8 (type int: s = absmax / 127, codes rounded half to even and saturated
+    to [-128, 127], as vLLM's int8 kernels quantize)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     num_bits: Literal[8] = 8
-    type: Literal["float"] = "float"
+    type: Literal["float", "int"] = "float"
     strategy: Literal["token", "tensor"] = "token"  # token: per-token scales at run time; tensor: one static scale
     dynamic: Optional[bool] = None  # implied by the strategy (token: dynamic, tensor: static)
     observer: Literal["minmax", "mse"] = "minmax"  # static scales only: absmax / 448, or the MSE-best shrink of it
 
     @model_validator(mode="after")
     def _check(self) -> "ActivationScheme":
+        if self.type == "int" and self.strategy != "token":
+            raise ValueError("int8 activations are dynamic per token here (strategy token); static per-tensor "
+                             "int8 activation scales are not supported yet")
         implied = self.strategy == "token"
         if self.dynamic is None:
             object.__setattr__(self, "dynamic", implied)
@@ -50,7 +55,9 @@ class QuantScheme(StrictModel):
     group_size: Optional[int] = 128  # columns sharing one scale; only for strategy "group"
     block_structure: Optional[tuple[int, int]] = None  # [rows, cols] sharing one scale; only for strategy "block"
     actorder: Optional[Literal["static"]] = None  # GPTQ column order; "static" keeps groups contiguous
-    input_activations: Optional[ActivationScheme] = None  # FP8 only: None = weight-only (16-bit activations)
+    # None = weight-only (16-bit activations); FP8 weights take FP8 activations, int8 weights int8 ones (W8A8),
+    # symmetric grouped int4 weights FP8 ones (W4AFP8)
+    input_activations: Optional[ActivationScheme] = None
     observer: Literal["minmax", "mse"] = "minmax"  # FP8 weight scales: absmax / 448, or the MSE-best shrink of it
     # a GGUF grid (`quantkit.gguf`): ggml's own scale rule on group 32 with fp16 scales, so the codes are the
     # file's codes. q4_0 (x = d (q - 8), d = the group's signed extreme / -8) is stored asymmetric with
@@ -88,13 +95,15 @@ class QuantScheme(StrictModel):
                 raise ValueError("strategy 'block' needs block_structure (e.g. [128, 128]), and only it takes one")
             if self.block_structure is not None and min(self.block_structure) <= 0:
                 raise ValueError(f"block_structure {list(self.block_structure)} must be positive")
+            if self.input_activations is not None and self.input_activations.type != "float":
+                raise ValueError("FP8 weights take FP8 activations (input_activations type float)")
             return self
+        if self.input_activations is not None:
+            self._check_int_activations()
         if self.grid is not None:
             self._check_grid()
             if self.grid not in ("q4_0", "q8_0"):
                 return self  # ggml's own layouts: the fields above are nominal
-        if self.input_activations is not None:
-            raise ValueError("activation quantization is FP8 only here: int weights run with 16-bit activations")
         if self.observer != "minmax":
             raise ValueError("observer 'mse' is for FP8 weights; int weights get their clipping from the "
                              "algorithm (AWQ's clip search, GPTQ's error compensation)")
@@ -111,6 +120,19 @@ class QuantScheme(StrictModel):
             raise ValueError(f"strategy 'channel' takes no group_size (got {self.group_size}); "
                              "drop it or use strategy 'group'")
         return self
+
+    def _check_int_activations(self) -> None:
+        """Int weights with quantized activations: W8A8 (int8 weights, int8 activations) or W4AFP8 (grouped
+        int4 weights, FP8 activations), symmetric, outside the GGUF grids."""
+        acts = self.input_activations
+        if self.grid is not None or not self.symmetric:
+            raise ValueError("activation quantization takes symmetric int weights outside the GGUF grids "
+                             "(presets W8A8, W4AFP8)")
+        if acts.type == "int" and self.num_bits != 8:
+            raise ValueError(f"int8 activations take int8 weights (W8A8), not {self.num_bits}-bit ones")
+        if acts.type == "float" and (self.num_bits != 4 or self.strategy != "group" or not acts.dynamic):
+            raise ValueError("FP8 activations with int weights are W4AFP8: 4-bit grouped weights, dynamic "
+                             "per-token activations")
 
     def _check_grid(self) -> None:
         bits, symmetric, group = GRIDS[self.grid]
@@ -133,6 +155,11 @@ class QuantScheme(StrictModel):
     @property
     def is_fp8(self) -> bool:
         return self.type == "float"
+
+    @property
+    def activation_quantized(self) -> bool:
+        """Int weights whose inputs are quantized too (W8A8, W4AFP8): compressed-tensors `int-quantized`."""
+        return self.type == "int" and self.input_activations is not None
 
     @property
     def has_static_input(self) -> bool:
@@ -160,7 +187,9 @@ class QuantScheme(StrictModel):
         if self.grid is not None:
             return f"ggml {self.grid}"
         gran = "channel" if self.strategy == "channel" else f"g{self.group_size}"
-        return f"int{self.num_bits} {'sym' if self.symmetric else 'asym'} {gran}{order}"
+        act = self.input_activations
+        acts = "" if act is None else f" a8 {'int8' if act.type == 'int' else 'fp8'} dynamic per-token"
+        return f"int{self.num_bits} {'sym' if self.symmetric else 'asym'} {gran}{order}{acts}"
 
 
 # GGUF grids as quantkit int schemes: (num_bits, symmetric, group_size: the columns sharing one step), fp16
@@ -192,6 +221,12 @@ PRESETS: dict[str, dict] = {
     "Q6_K": dict(num_bits=6, symmetric=True, strategy="group", group_size=16, grid="q6_k"),
     "Q4_K_M": dict(num_bits=4, symmetric=False, strategy="group", group_size=32, grid="q4_k_m"),
     "FP8_WEIGHT": dict(num_bits=8, type="float", strategy="channel", group_size=None),
+    # int8 weights (per channel, symmetric) and int8 activations (dynamic per token): compressed-tensors' W8A8
+    "W8A8": dict(num_bits=8, symmetric=True, strategy="channel", group_size=None,
+                 input_activations={"type": "int", "strategy": "token"}),
+    # int4 weights (symmetric, group 128) and FP8 activations (dynamic per token): compressed-tensors' W4AFP8
+    "W4AFP8": dict(num_bits=4, symmetric=True, strategy="group", group_size=128,
+                   input_activations={"type": "float", "strategy": "token"}),
 }
 
 
