@@ -124,12 +124,13 @@ def w8a8_checkpoints(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("w8a8")
     calib = ["calibration.num_samples=4", "calibration.seq_len=32"]
     cases = {"w8a8-dynamic": ("w8a8-dynamic", []), "w4afp8": ("w4afp8", calib + ["stages.0.scheme.group_size=32"]),
-             "gptq-w8a8": ("gptq-w8a16", calib + ["stages.0.scheme=W8A8"])}
+             "gptq-w8a8": ("gptq-w8a16", calib + ["stages.0.scheme=W8A8"]),
+             "w8a8-smoothquant": ("w8a8-smoothquant", calib)}
     return {name: quantize(str(tiny_models["llama"]), load_recipe(recipe, overrides), root / name,
                            progress=False).output for name, (recipe, overrides) in cases.items()}
 
 
-@pytest.mark.parametrize("case", ["w8a8-dynamic", "w4afp8", "gptq-w8a8"])
+@pytest.mark.parametrize("case", ["w8a8-dynamic", "w4afp8", "gptq-w8a8", "w8a8-smoothquant"])
 def test_int_quantized_layout_and_compressed_tensors_decompression(w8a8_checkpoints, case):
     from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig
@@ -152,10 +153,10 @@ def test_int_quantized_layout_and_compressed_tensors_decompression(w8a8_checkpoi
     assert checked == 21  # 3 layers x 7 linears
 
 
-@pytest.mark.parametrize("recipe", ["w8a8-dynamic", "w4afp8"])
+@pytest.mark.parametrize("recipe", ["w8a8-dynamic", "w4afp8", "w8a8-smoothquant"])
 def test_reloaded_model_equals_the_in_memory_one(tiny_models, tokenizer, tmp_path, recipe):
-    overrides = [] if recipe == "w8a8-dynamic" else ["calibration.num_samples=4", "calibration.seq_len=32",
-                                                     "stages.0.scheme.group_size=32"]
+    overrides = {"w8a8-dynamic": [], "w8a8-smoothquant": ["calibration.num_samples=4", "calibration.seq_len=32"],
+                 "w4afp8": ["calibration.num_samples=4", "calibration.seq_len=32", "stages.0.scheme.group_size=32"]}[recipe]
     in_memory, _ = quantkit.quantize(tiny_models["llama"], recipe, overrides=overrides, dtype=torch.float32)
     quantkit.save(in_memory, tmp_path / "q")
     reloaded = quantkit.load(tmp_path / "q", dtype=torch.float32)
