@@ -1,10 +1,12 @@
 """llm-compressor's side of bench/vs_llmcompressor.py; runs in llm-compressor's own venv (no quantkit here).
 
-Usage: PEER_PYTHON bench/llmc_peer.py --model DIR --tokens FILE.json --algo gptq|awq --group 64
-           --dtype bfloat16|float32 --out DIR
+Usage: PEER_PYTHON bench/llmc_peer.py --model DIR --tokens FILE.json --algo ALGO --group 64
+           --dtype bfloat16|float32 --out DIR [--alpha 0.5]
 Quantizes with llm-compressor's `oneshot` on exactly the token sequences in FILE (the same ones
-quantkit calibrates on), W4A16 symmetric with the given group size, and prints one JSON line with
-the seconds of load, oneshot and save.
+quantkit calibrates on) and prints one JSON line with the seconds of load, oneshot and save. ALGO:
+gptq / awq (W4A16 symmetric, the given group size), w8a8-smoothquant (SmoothQuant with strength alpha,
+then GPTQ to its W8A8 preset), w8a8-dynamic (its W8A8 preset, round to nearest), w4afp8 (GPTQ to its
+W4AFP8 preset, static act-order).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--tokens", required=True)
-    parser.add_argument("--algo", choices=["gptq", "awq"], required=True)
+    parser.add_argument("--algo", choices=["gptq", "awq", "w8a8-smoothquant", "w8a8-dynamic", "w4afp8"], required=True)
+    parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--out", required=True)
@@ -30,6 +33,7 @@ def main() -> None:
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
+    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not torch.cuda.is_available():
@@ -45,8 +49,16 @@ def main() -> None:
     if args.algo == "gptq":  # quantkit's gptq-w4a16: static act-order, block 128, dampening 0.01
         recipe = GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01,
                               actorder="static")
-    else:  # quantkit's awq-w4a16: duo scaling "both", 20 grid points, then round-to-nearest
+    elif args.algo == "awq":  # quantkit's awq-w4a16: duo scaling "both", 20 grid points, then round-to-nearest
         recipe = [AWQModifier(duo_scaling="both", n_grid=20), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
+    elif args.algo == "w8a8-smoothquant":  # quantkit's w8a8-smoothquant: smoothing, then GPTQ block 128, damp 0.01
+        recipe = [SmoothQuantModifier(smoothing_strength=args.alpha),
+                  GPTQModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"], block_size=128, dampening_frac=0.01)]
+    elif args.algo == "w8a8-dynamic":
+        recipe = QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])
+    else:  # quantkit's w4afp8: GPTQ with static act-order
+        recipe = GPTQModifier(scheme="W4AFP8", targets=["Linear"], ignore=["lm_head"], block_size=128,
+                              dampening_frac=0.01, actorder="static")
     ds = Dataset.from_dict({"input_ids": tokens, "attention_mask": [[1] * len(t) for t in tokens]})
 
     t0 = time.perf_counter()

@@ -1,13 +1,15 @@
 """quantkit against llm-compressor 0.14, back to back on this machine, the same model, data and scheme.
 
-Usage: python bench/vs_llmcompressor.py MODEL gptq|awq --peer-python /path/to/llmc-venv/bin/python
+Usage: python bench/vs_llmcompressor.py MODEL ALGO --peer-python /path/to/llmc-venv/bin/python
            [--group 64] [--peer-dtypes bfloat16,float32] [--windows 8] [--keep DIR]
            [--variant OVERRIDES ...]   (quantkit runs, each with comma-separated --set overrides; '' = the recipe)
 Set up the peer once:  python3 -m venv V && V/bin/pip install torch==2.13.0 && V/bin/pip install llmcompressor==0.14.0.1
 
-Both calibrate on the same 64 x 512 tokens of sensesensibility (quantkit's own chunks, handed to
-llm-compressor as a tokenized dataset), W4A16 symmetric with the same group size (gptq: static
-act-order; awq: duo scaling both, then round-to-nearest). Times are each job's load + calibrate +
+Both calibrate on the same tokens (the recipe's: quantkit's own chunks, handed to llm-compressor as a
+tokenized dataset). ALGO gptq / awq: W4A16 symmetric with the same group size (gptq: static act-order;
+awq: duo scaling both, then round-to-nearest); w8a8-smoothquant (SmoothQuant with the recipe's alpha,
+then GPTQ to W8A8), w8a8-dynamic (round to nearest W8A8), w4afp8 (GPTQ, static act-order): the
+compressed-tensors presets of those names, --group ignored. Times are each job's load + calibrate +
 save, measured inside its process (interpreter start and imports excluded for both). Quality is
 quantkit's float32 perplexity protocol on emma (evals/PROTOCOL.md) for the original and every output.
 """
@@ -24,7 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PEER = Path(__file__).with_name("llmc_peer.py")
-RECIPES = {"gptq": ("gptq-w4a16", 0), "awq": ("awq-w4a16", 1)}  # recipe, index of the stage with the scheme
+# recipe, index of the stage with the scheme, whether --group applies
+RECIPES = {"gptq": ("gptq-w4a16", 0, True), "awq": ("awq-w4a16", 1, True), "w8a8-smoothquant": ("w8a8-smoothquant", 1, False),
+           "w8a8-dynamic": ("w8a8-dynamic", 0, False), "w4afp8": ("w4afp8", 0, False)}
 
 
 def main() -> None:
@@ -53,13 +57,19 @@ def main() -> None:
     from quantkit.formats.checkpoint import read_config
 
     source = resolve_model(args.model)
-    name, stage = RECIPES[args.algo]
-    recipe = load_recipe(name, [f"stages.{stage}.scheme.group_size={args.group}"])
+    name, stage, grouped = RECIPES[args.algo]
+    base_sets = [f"stages.{stage}.scheme.group_size={args.group}"] if grouped else []
+    recipe = load_recipe(name, base_sets)
+    alpha = recipe.stages[0].args.get("alpha", 0.5) if args.algo == "w8a8-smoothquant" else 0.5
     needs_bos = family_needs_bos(read_config(source)["model_type"])
-    tokens = [row.tolist() for batch in calibration_batches(source, recipe, needs_bos) for row in batch]
+    # a data-free recipe: the peer's oneshot still takes a dataset (its W8A8 preset uses none of it)
+    data_recipe = recipe if recipe.calibration is not None else load_recipe("gptq-w4a16")
+    tokens = [row.tolist() for batch in calibration_batches(source, data_recipe, needs_bos) for row in batch]
     print(compute.machine_summary())
-    print(f"model {source.name}; {args.algo} W4A16 group {args.group}; {len(tokens)} x {len(tokens[0])} calibration "
-          f"tokens of {recipe.calibration.dataset}")
+    what = f"W4A16 group {args.group}" if grouped else name
+    calib = (f"{len(tokens)} x {len(tokens[0])} calibration tokens of {recipe.calibration.dataset}"
+             if recipe.calibration is not None else "data-free")
+    print(f"model {source.name}; {args.algo} {what}; {calib}")
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="vs-llmc-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -70,14 +80,14 @@ def main() -> None:
     for vi, variant in enumerate(args.variant or [""]):
         sets = [o for o in variant.split(",") if o]
         start = time.perf_counter()
-        report = quantize(str(source), load_recipe(name, [f"stages.{stage}.scheme.group_size={args.group}", *sets]),
+        report = quantize(str(source), load_recipe(name, [*base_sets, *sets]),
                           root / f"quantkit-{vi}", overwrite=True, progress=False)
         rows.append({"tool": "quantkit", "dtype": report.compute.name, "seconds": time.perf_counter() - start,
                      "path": report.output, "variant": ",".join(sets) or "recipe as is"})
     for dtype in args.peer_dtypes.split(","):
         out = root / f"llmc-{dtype}"
         cmd = [args.peer_python, str(PEER), "--model", str(source), "--tokens", str(token_file), "--algo", args.algo,
-               "--group", str(args.group), "--dtype", dtype, "--out", str(out)]
+               "--group", str(args.group), "--dtype", dtype, "--out", str(out), "--alpha", str(alpha)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")

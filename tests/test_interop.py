@@ -15,13 +15,23 @@ from helpers import sample_ids
 ct = pytest.importorskip("compressed_tensors")
 
 CASES = [("rtn-w4a16", ["stages.0.scheme.group_size=32"]), ("rtn-w4a16-asym", ["stages.0.scheme.group_size=64"]),
-         ("rtn-w8a16", [])]
+         ("rtn-w8a16", []),
+         # low-bit presets: 3 and 5 bits straddle int32 words, 2 bits do not
+         ("gptq-w3a16", ["stages.0.scheme.group_size=32", "calibration.num_samples=4", "calibration.seq_len=32"]),
+         ("rtn-w4a16", ["stages.0.scheme=W2A16", "stages.0.scheme.group_size=32"]),
+         ("rtn-w4a16", ["stages.0.scheme=W5A16", "stages.0.scheme.group_size=32"])]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+def _case_id(case) -> str:
+    name, overrides = case
+    preset = [o.split("=")[1] for o in overrides if o.startswith("stages.0.scheme=")]
+    return f"{name}-{preset[0]}" if preset else name
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[_case_id(c) for c in CASES])
 def checkpoint(request, tiny_models, tmp_path_factory):
     name, overrides = request.param
-    out = tmp_path_factory.mktemp("interop") / name
+    out = tmp_path_factory.mktemp("interop") / _case_id(request.param)
     return quantize(str(tiny_models["llama"]), load_recipe(name, overrides), out, progress=False).output
 
 

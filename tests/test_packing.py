@@ -19,6 +19,16 @@ def test_int8_fixed_word():
     assert pack_int32(q, 8).tolist() == [[0xFF807F00 - 2**32]]
 
 
+def test_int3_fixed_words_straddle_the_word_boundary():
+    # codes -4..3 stored as 0..7, one dense bit stream: element 10 (stored 7 = 0b111) has its two low bits
+    # at bits 30-31 of word 0 and its top bit at bit 0 of word 1
+    stored = [1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 7]
+    q = torch.tensor([[u - 4 for u in stored]], dtype=torch.int8)
+    packed = pack_int32(q, 3)
+    assert packed.tolist() == [[0xD11F58D1 - 2**32, 0x00000001]]
+    assert unpack_int32(packed, 3, 11).tolist() == q.tolist()
+
+
 def test_int4_zero_point_packs_along_output_dim():
     zp = torch.arange(-8, 1, dtype=torch.int8).reshape(9, 1)  # [out=9, groups=1]
     packed = pack_int32(zp, 4, dim=0)
@@ -28,8 +38,8 @@ def test_int4_zero_point_packs_along_output_dim():
     assert packed[1, 0].item() == 0x00000008
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("shape", [(3, 64), (5, 40), (1, 7)])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("shape", [(3, 64), (5, 40), (1, 7), (2, 97)])
 @pytest.mark.parametrize("dim", [0, 1])
 def test_round_trip(bits, shape, dim):
     gen = torch.Generator().manual_seed(bits * 100 + shape[1])
@@ -51,6 +61,18 @@ def test_matches_compressed_tensors_library():
     assert torch.equal(pack_int32(zp, 4, dim=0), ct.pack_to_int32(zp, 4, packed_dim=0))
     q8 = torch.randint(-128, 128, (4, 12), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
     assert torch.equal(pack_int32(q8, 8), ct.pack_to_int32(q8, 8))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6, 7])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_every_width_matches_compressed_tensors_library(bits, dim):
+    ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1))
+    q = torch.randint(lo, hi, (7, 131), generator=torch.Generator().manual_seed(bits), dtype=torch.int8)
+    q = q if dim == 1 else q.t().contiguous()
+    packed = pack_int32(q, bits, dim=dim)
+    assert torch.equal(packed, ct.pack_to_int32(q, bits, packed_dim=dim))
+    assert torch.equal(ct.unpack_from_int32(packed, bits, q.shape, packed_dim=dim), q)
 
 
 def test_streamed_shards_are_byte_for_byte_safetensors_files(tmp_path):

@@ -52,7 +52,7 @@ def test_unknown_top_level_key(tmp_path):
 @pytest.mark.parametrize(
     "override,fragment",
     [
-        ("stages.0.scheme.num_bits=5", "num_bits=5 is not supported"),
+        ("stages.0.scheme.num_bits=9", "num_bits=9 is not supported"),
         ("stages.0.algorithm=gptx", "unknown algorithm 'gptx'"),
         ("stages.0.scheme.preset=W5", "unknown scheme preset 'W5'"),
         ("stages.0.args.foo=1", "stages.0.args.foo: unknown key"),

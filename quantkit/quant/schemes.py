@@ -111,8 +111,8 @@ class QuantScheme(StrictModel):
             raise ValueError(f"int weights take strategy group or channel, not {self.strategy!r}")
         if self.block_structure is not None:
             raise ValueError("block_structure is for FP8 block weights")
-        if self.num_bits not in (2, 4, 8):
-            raise ValueError(f"num_bits={self.num_bits} is not supported; use 2, 4 or 8")
+        if not 2 <= self.num_bits <= 8:
+            raise ValueError(f"num_bits={self.num_bits} is not supported; int weights take 2 to 8 bits")
         if self.strategy == "group":
             if self.group_size is None or self.group_size <= 0:
                 raise ValueError("strategy 'group' needs a positive group_size (e.g. 32, 64, 128)")
@@ -203,6 +203,8 @@ PRESETS: dict[str, dict] = {
     "W4A16": dict(num_bits=4, symmetric=True, strategy="group", group_size=128),
     "W4A16_ASYM": dict(num_bits=4, symmetric=False, strategy="group", group_size=128),
     "W8A16": dict(num_bits=8, symmetric=True, strategy="channel", group_size=None),
+    # compressed-tensors' low-bit int presets: symmetric, group 128 (3, 5, 6, 7 bits straddle int32 words)
+    **{f"W{b}A16": dict(num_bits=b, symmetric=True, strategy="group", group_size=128) for b in (2, 3, 5, 6, 7)},
     # FP8 e4m3 (compressed-tensors float-quantized): per-channel weights + dynamic per-token activations,
     # per-tensor weights + a static per-tensor activation scale, 128x128 blocks + dynamic per-token
     "FP8_DYNAMIC": dict(num_bits=8, type="float", strategy="channel", group_size=None,
