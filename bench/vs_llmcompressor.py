@@ -62,13 +62,17 @@ def main() -> None:
     recipe = load_recipe(name, base_sets)
     alpha = recipe.stages[0].args.get("alpha", 0.5) if args.algo == "w8a8-smoothquant" else 0.5
     needs_bos = family_needs_bos(read_config(source)["model_type"])
+    from quantkit.plugins.catalog import algorithm
+
+    # these recipes' stages need data exactly when their algorithm always does (no static-FP8 stage here)
+    calibrates = any(algorithm(s.algorithm).needs_calibration for s in recipe.stages)
     # a data-free recipe: the peer's oneshot still takes a dataset (its W8A8 preset uses none of it)
-    data_recipe = recipe if recipe.calibration is not None else load_recipe("gptq-w4a16")
+    data_recipe = recipe if calibrates else load_recipe("gptq-w4a16")
     tokens = [row.tolist() for batch in calibration_batches(source, data_recipe, needs_bos) for row in batch]
     print(compute.machine_summary())
     what = f"W4A16 group {args.group}" if grouped else name
     calib = (f"{len(tokens)} x {len(tokens[0])} calibration tokens of {recipe.calibration.dataset}"
-             if recipe.calibration is not None else "data-free")
+             if calibrates else "data-free")
     print(f"model {source.name}; {args.algo} {what}; {calib}")
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="vs-llmc-"))
