@@ -32,6 +32,7 @@ from torch import nn
 from quantkit.platform import compute
 from quantkit.kernels import cpu_int4
 from quantkit.qmodules.fp8_linear import Fp8Linear
+from quantkit.qmodules.int_act_linear import IntActLinear
 from quantkit.qmodules.int_linear import PackedIntLinear
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ NARROW_DTYPE = torch.bfloat16  # the 16-bit activations a W4A16 layer may take u
 
 @dataclass(frozen=True)
 class LayerKind:
-    """What decides a linear's speed: family ("dense", "int4", "int", "fp8", "ggml"), shape and scheme."""
+    """What decides a linear's speed: family ("dense", "int4", "int", "fp8", "int-act", "ggml"), shape and scheme."""
 
     family: str
     out_features: int
@@ -155,7 +156,7 @@ def kind_of(module: nn.Module) -> Optional[LayerKind]:
         family = "int4" if cpu_int4.unsupported_reason(scheme.num_bits, module.in_features,
                                                        module.kernel_group_size) is None else "int"
     else:
-        family = "fp8" if isinstance(module, Fp8Linear) else "ggml"
+        family = "fp8" if isinstance(module, Fp8Linear) else "int-act" if isinstance(module, IntActLinear) else "ggml"
     return LayerKind(family, module.out_features, module.in_features, detail)
 
 
