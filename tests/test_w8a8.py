@@ -213,3 +213,25 @@ def test_bad_int_quantized_config_is_refused():
     del qc["config_groups"]["g"]["input_activations"]
     with pytest.raises(CheckpointError, match="without input_activations"):
         parse_quantization_config(qc, "x")
+
+
+def test_w4afp8_dense_copy_follows_the_memory_plan(w8a8_checkpoints, monkeypatch):
+    """W4AFP8 layers multiply by their dequantized weight, as emulated FP8 layers do: the copy is kept only
+    where `plan_dense_cache` allows it (W8A8 layers multiply int8 codes: none is planned for them), and
+    keeping it changes no bit of the output."""
+    from quantkit.qmodules import fp8_linear as fp8linear
+
+    w4 = quantkit.load(w8a8_checkpoints["w4afp8"], dtype=torch.float32)  # a tiny model: the copies fit
+    layers = [m for m in w4.modules() if isinstance(m, IntActLinear)]
+    assert layers and all(m.keep_dense for m in layers)
+    need = sum(m.weight.numel() for m in layers) * 4
+    assert fp8linear.plan_dense_cache(w4, torch.float32) == need
+    x = torch.randn(3, layers[0].in_features)
+    kept = layers[0](x)
+    assert layers[0]._dense is not None
+    monkeypatch.setattr(fp8linear, "available_memory", lambda: 3 * need)  # needs over 30% of it
+    assert fp8linear.plan_dense_cache(w4, torch.float32) == 0 and not any(m.keep_dense for m in layers)
+    assert torch.equal(layers[0](x), kept) and layers[0]._dense is None
+    w8 = quantkit.load(w8a8_checkpoints["w8a8-dynamic"], dtype=torch.float32)
+    assert fp8linear.plan_dense_cache(w8, torch.float32) == 0
+    assert not any(m.keep_dense for m in w8.modules() if isinstance(m, IntActLinear))

@@ -28,6 +28,7 @@ from quantkit.errors import KernelError
 from quantkit.kernels.reference import fp8_quantize_per_token
 from quantkit.kernels.select import ENV, forced_kernel, triton_device_reason
 from quantkit.platform.memory import available_memory
+from quantkit.qmodules.dense_copy import DenseCopy
 from quantkit.quant.fp8 import FP8_DTYPE, Fp8Weight, dequantize_weight, quantize
 from quantkit.quant.schemes import QuantScheme
 
@@ -37,7 +38,7 @@ DENSE_ENV = "QUANTKIT_FP8_DENSE"
 DENSE_SHARE = 0.3  # auto: keep dense copies when they take at most this share of the available memory
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(DenseCopy, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme,
                  scale_dtype: torch.dtype, device: Optional[torch.device] = None):
         super().__init__()
@@ -56,8 +57,8 @@ class Fp8Linear(nn.Module):
         else:
             self.input_scale = None
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=scale_dtype, device=device), requires_grad=False) if bias else None
-        self.keep_dense = False  # emulation: keep the dequantized weight between forwards
-        self._dense: Optional[tuple[tuple, torch.Tensor]] = None  # (key, weight) when kept
+        self.keep_dense = False  # emulation: keep the dequantized weight between forwards (`DenseCopy`)
+        self._dense = None
         self.kernel_request: Optional[str] = forced_kernel()  # as PackedIntLinear's: read once, not per forward
 
     @classmethod
@@ -127,40 +128,27 @@ class Fp8Linear(nn.Module):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self._dense_weight(x.dtype), bias)
 
-    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized weight in `dtype`: kept while weight, scales and dtype are unchanged
-        (in-place writes bump a tensor's version; moving the module replaces its buffers)."""
-        if not self.keep_dense:
-            self._dense = None
-            return self.dequantize(dtype)
-        w, s = self.weight, self.weight_scale
-        key = (dtype, w.device, w.data_ptr(), w._version, s.data_ptr(), s._version)
-        if self._dense is None or self._dense[0] != key:
-            self._dense = None  # free the old copy before making the new one
-            self._dense = (key, self.dequantize(dtype))
-        return self._dense[1]
+    @property
+    def dense_emulated(self) -> bool:
+        """Whether the forward multiplies by the dequantized weight (no FP8 kernel runs here)."""
+        try:
+            return self.kernel == "torch"
+        except KernelError:  # a forced kernel that cannot run: the forward will say so
+            return False
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.short()}"
 
 
 def plan_dense_cache(model: nn.Module, dtype: torch.dtype) -> int:
-    """Let the model's emulated FP8 layers keep their dequantized weights when allowed:
+    """Let the model's emulated layers (FP8, W4AFP8: `DenseCopy`) keep their dequantized weights when allowed:
     QUANTKIT_FP8_DENSE=1 always, =0 never, =auto (default) when the copies in `dtype` take at most
     DENSE_SHARE of the available memory (otherwise a warning says decoding will be slow).
     Returns the bytes the copies will take (0 when not kept)."""
     mode = os.environ.get(DENSE_ENV, "auto").strip().lower()
     if mode not in ("auto", "1", "0"):
         raise KernelError(f"{DENSE_ENV}={mode!r}: use auto, 1 (keep dense FP8 weights) or 0 (dequantize per forward)")
-    layers = []
-    for m in model.modules():
-        if isinstance(m, Fp8Linear):
-            try:
-                emulated = m.kernel == "torch"
-            except KernelError:  # a forced kernel that cannot run: the forward will say so
-                emulated = False
-            if emulated:
-                layers.append(m)
+    layers = [m for m in model.modules() if isinstance(m, DenseCopy) and m.dense_emulated]
     if not layers:
         return 0
     need = sum(m.weight.numel() for m in layers) * torch.finfo(dtype).bits // 8

@@ -9,7 +9,7 @@ Buffers are exactly the checkpoint's tensors: `weight` (the int codes as int8 [o
   bits. Then y = x_scale * (w_scale * acc) + bias in float32, cast to the input's dtype.
 - W4AFP8: int4 weights in groups, FP8 e4m3 activations dynamic per token: the activations are
   quantized and dequantized (`fp8_quantize_per_token`), then multiplied by the dequantized weight in
-  float32 (kept between forwards while the weight is unchanged).
+  float32 (kept between forwards where the memory plan allows: `DenseCopy`, as FP8 emulation does).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from quantkit.kernels.reference import (fp8_quantize_per_token, int8_matmul, int
                                         int8_quantize_per_token)
 from quantkit.kernels.select import forced_kernel
 from quantkit.errors import KernelError
+from quantkit.qmodules.dense_copy import DenseCopy
 from quantkit.quant.intq import QuantizedWeight, dequantize
 from quantkit.quant.schemes import QuantScheme
 
 MAX_EXACT_K = 133_000  # int32 holds every sum of K products of int8 codes (127 * 128 * K < 2^31)
 
 
-class IntActLinear(nn.Module):
+class IntActLinear(DenseCopy, nn.Module):
     """y = quantize(x) @ (codes * scale)^T + b, the activation quantization as the scheme says."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme,
@@ -45,7 +46,8 @@ class IntActLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=scale_dtype, device=device),
                                  requires_grad=False) if bias else None
         self.kernel_request: Optional[str] = forced_kernel()
-        self._cache: Optional[tuple[tuple, torch.Tensor]] = None  # (key, W4AFP8's dequantized weight)
+        self.keep_dense = False  # W4AFP8: keep the dequantized weight between forwards (`DenseCopy`)
+        self._dense = None
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: Optional[torch.Tensor]) -> "IntActLinear":
@@ -81,13 +83,10 @@ class IntActLinear(nn.Module):
             raise KernelError(f"QUANTKIT_KERNEL={forced} cannot run this W8A8 layer on {device.type}: use torch")
         return "torch"
 
-    def _cached(self, kind: str, make) -> torch.Tensor:
-        w, s = self.weight, self.weight_scale
-        key = (kind, w.device, w.data_ptr(), w._version, s.data_ptr(), s._version)
-        if self._cache is None or self._cache[0] != key:
-            self._cache = None
-            self._cache = (key, make())
-        return self._cache[1]
+    @property
+    def dense_emulated(self) -> bool:
+        """W4AFP8 multiplies by the dequantized weight; W8A8 multiplies the int8 codes."""
+        return self.scheme.input_activations.type != "int"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -103,7 +102,7 @@ class IntActLinear(nn.Module):
         else:
             self._choose(x.device)  # a forced kernel that cannot run says so
             xq, xs = fp8_quantize_per_token(x2)
-            w = self._cached("dense", lambda: self.dequantize(torch.float32))
+            w = self._dense_weight(torch.float32)
             y = F.linear(xq.float() * xs, w, None if self.bias is None else self.bias.float()).to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
