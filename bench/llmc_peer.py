@@ -6,7 +6,8 @@ Quantizes with llm-compressor's `oneshot` on exactly the token sequences in FILE
 quantkit calibrates on) and prints one JSON line with the seconds of load, oneshot and save. ALGO:
 gptq / awq (W4A16 symmetric, the given group size), w8a8-smoothquant (SmoothQuant with strength alpha,
 then GPTQ to its W8A8 preset), w8a8-dynamic (its W8A8 preset, round to nearest), w4afp8 (GPTQ to its
-W4AFP8 preset, static act-order).
+W4AFP8 preset, static act-order), nvfp4a16 / mxfp8 (its NVFP4A16 / MXFP8 presets, round to nearest), nvfp4 / mxfp4
+(GPTQ to its NVFP4 / MXFP4 presets, static act-order).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--tokens", required=True)
-    parser.add_argument("--algo", choices=["gptq", "awq", "w8a8-smoothquant", "w8a8-dynamic", "w4afp8"], required=True)
+    parser.add_argument("--algo", choices=["gptq", "awq", "w8a8-smoothquant", "w8a8-dynamic", "w4afp8",
+                                                 "nvfp4a16", "nvfp4", "mxfp4", "mxfp8"], required=True)
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -54,10 +56,12 @@ def main() -> None:
     elif args.algo == "w8a8-smoothquant":  # quantkit's w8a8-smoothquant: smoothing, then GPTQ block 128, damp 0.01
         recipe = [SmoothQuantModifier(smoothing_strength=args.alpha),
                   GPTQModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"], block_size=128, dampening_frac=0.01)]
-    elif args.algo == "w8a8-dynamic":
-        recipe = QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])
-    else:  # quantkit's w4afp8: GPTQ with static act-order
-        recipe = GPTQModifier(scheme="W4AFP8", targets=["Linear"], ignore=["lm_head"], block_size=128,
+    elif args.algo in ("w8a8-dynamic", "nvfp4a16", "mxfp8"):  # quantkit's round-to-nearest recipes
+        preset = {"w8a8-dynamic": "W8A8", "nvfp4a16": "NVFP4A16", "mxfp8": "MXFP8"}[args.algo]
+        recipe = QuantizationModifier(scheme=preset, targets=["Linear"], ignore=["lm_head"])
+    else:  # quantkit's w4afp8, nvfp4, mxfp4: GPTQ with static act-order
+        preset = {"w4afp8": "W4AFP8", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}[args.algo]
+        recipe = GPTQModifier(scheme=preset, targets=["Linear"], ignore=["lm_head"], block_size=128,
                               dampening_frac=0.01, actorder="static")
     ds = Dataset.from_dict({"input_ids": tokens, "attention_mask": [[1] * len(t) for t in tokens]})
 

@@ -8,8 +8,9 @@ Set up the peer once:  python3 -m venv V && V/bin/pip install torch==2.13.0 && V
 Both calibrate on the same tokens (the recipe's: quantkit's own chunks, handed to llm-compressor as a
 tokenized dataset). ALGO gptq / awq: W4A16 symmetric with the same group size (gptq: static act-order;
 awq: duo scaling both, then round-to-nearest); w8a8-smoothquant (SmoothQuant with the recipe's alpha,
-then GPTQ to W8A8), w8a8-dynamic (round to nearest W8A8), w4afp8 (GPTQ, static act-order): the
-compressed-tensors presets of those names, --group ignored. Times are each job's load + calibrate +
+then GPTQ to W8A8), w8a8-dynamic (round to nearest W8A8), w4afp8 (GPTQ, static act-order), nvfp4a16 and mxfp8
+(round to nearest), nvfp4 and mxfp4 (GPTQ, static act-order): the compressed-tensors presets of those names,
+--group ignored. Times are each job's load + calibrate +
 save, measured inside its process (interpreter start and imports excluded for both). Quality is
 quantkit's float32 perplexity protocol on emma (evals/PROTOCOL.md) for the original and every output.
 """
@@ -28,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PEER = Path(__file__).with_name("llmc_peer.py")
 # recipe, index of the stage with the scheme, whether --group applies
 RECIPES = {"gptq": ("gptq-w4a16", 0, True), "awq": ("awq-w4a16", 1, True), "w8a8-smoothquant": ("w8a8-smoothquant", 1, False),
-           "w8a8-dynamic": ("w8a8-dynamic", 0, False), "w4afp8": ("w4afp8", 0, False)}
+           "w8a8-dynamic": ("w8a8-dynamic", 0, False), "w4afp8": ("w4afp8", 0, False),
+           "nvfp4a16": ("nvfp4a16", 0, False), "nvfp4": ("nvfp4", 0, False), "mxfp4": ("mxfp4", 0, False),
+           "mxfp8": ("mxfp8", 0, False)}
 
 
 def main() -> None:

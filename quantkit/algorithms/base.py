@@ -71,6 +71,7 @@ class Algorithm(ABC):
     supports_actorder: ClassVar[bool] = False  # may the scheme say actorder: static
     supports_int: ClassVar[bool] = True  # quantizes int schemes
     supports_fp8: ClassVar[bool] = False  # quantizes FP8 (e4m3) schemes
+    supports_micro: ClassVar[bool] = False  # quantizes microscaled float schemes (NVFP4, MXFP4, MXFP8)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -105,7 +106,9 @@ class Algorithm(ABC):
 
     @classmethod
     def quantizes(cls, scheme: QuantScheme) -> bool:
-        """Whether this algorithm can quantize weights to `scheme` (int or FP8)."""
+        """Whether this algorithm can quantize weights to `scheme` (int, FP8 or microscaled)."""
+        if scheme.is_micro:
+            return cls.produces_weights and cls.supports_micro
         return cls.produces_weights and (cls.supports_fp8 if scheme.is_fp8 else cls.supports_int)
 
     def transform_layer(self, ctx: LayerContext) -> None:

@@ -20,6 +20,7 @@ from quantkit.calibration import distributed
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.errors import QuantizationError
 from quantkit.quant.fp8 import Fp8Weight, InputScaleObserver, quantize_weight
+from quantkit.quant.microscale import nvfp4_global_scale
 from quantkit.core.registry import ALGORITHMS
 
 
@@ -72,11 +73,12 @@ def nearest_fp8(weight: torch.Tensor, scheme, scale_dtype: torch.dtype) -> Fp8We
 
 class StaticInputScales:
     """Per-linear static activation scales for an FP8 scheme with a static `input_activations`
-    (observer from the scheme); a stage keeps one and feeds it the inputs it observes."""
+    (observer from the scheme), or NVFP4 activations' global scales (from the inputs' absmax); a stage
+    keeps one and feeds it the inputs it observes."""
 
     def __init__(self, scheme, samples: int, seed: int):
         acts = scheme.input_activations
-        self._observer = acts.observer if scheme.has_static_input else None
+        self._observer = acts.observer if scheme.has_static_input else "minmax" if scheme.needs_input_global else None
         self._samples = samples
         self._seed = seed
         self._by_name: dict[str, InputScaleObserver] = {}
@@ -97,10 +99,18 @@ class StaticInputScales:
     def scale(self, name: str, scale_dtype: torch.dtype) -> torch.Tensor:
         """The static input scale of `name`; in a distributed run a collective call: every rank asks for the
         same names in the same order and gets the scale of all ranks' inputs."""
+        return self._reduced(name).scale(scale_dtype)
+
+    def global_scale(self, name: str) -> torch.Tensor:
+        """NVFP4 activations: the global scale (float32 [1]) of `name`'s inputs, 448 * 6 / absmax (collective,
+        as `scale`)."""
+        return nvfp4_global_scale(self._reduced(name).absmax)
+
+    def _reduced(self, name: str) -> InputScaleObserver:
         if name not in self._by_name:
             raise QuantizationError(f"{name}: no calibration input was observed for its static activation scale")
         world = distributed.current()
         if world.active:
             self._by_name[name].reduce(lambda t: world.max_(t, f"{name}: input absmax"),
                                        lambda t: world.gather_(t, f"{name}: mse input sample"))
-        return self._by_name[name].scale(scale_dtype)
+        return self._by_name[name]

@@ -21,7 +21,9 @@ from quantkit.calibration import distributed
 from quantkit.errors import QuantizationError, RecipeError
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.algorithms.fp8 import StaticInputScales, nearest_fp8
+from quantkit.quant import microscale
 from quantkit.quant.fp8 import Fp8Weight, column_scales
+from quantkit.quant.microscale import MicroWeight
 from quantkit.quant import ggml
 from quantkit.quant.gptq import (HessianError, SolveError, gptq_quantize, gptq_quantize_fp8, gptq_quantize_ggml,
                                  hessian_error)
@@ -75,13 +77,15 @@ class GPTQ(Algorithm):
     needs_calibration = True
     supports_actorder = True  # scheme.actorder "static": columns by decreasing diag(H), groups kept
     supports_fp8 = True
+    supports_micro = True  # NVFP4 / MX: scales fixed by the nearest rounding, GPTQ chooses the elements
     config: GPTQConfig
 
     def __init__(self, config: GPTQConfig, scheme):
         super().__init__(config, scheme)
         if config.scale_search and getattr(scheme, "grid", None) not in ("q4_0", "q8_0", "q4_k_m") and not ggml.is_block_grid(scheme):
             raise RecipeError("gptq: scale_search is for GGUF's Q4_0, Q8_0, Q5_0, Q4_K, Q6_K grids (scheme: Q4_0, Q8_0, Q4_K_M, ...)")
-        self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed) if scheme.is_fp8 else None
+        self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed) \
+            if scheme.is_fp8 or scheme.needs_input_global else None
 
     def true_sequential(self) -> bool:
         return self.config.true_sequential
@@ -113,17 +117,26 @@ class GPTQ(Algorithm):
             acc = self._H.pop(group[0], None)  # each Hessian is freed once its group is solved
             assert acc is not None, f"no calibration input reached {group[0]}"
             # one static input scale per group: its linears read the same input
-            input_scale = self._inputs.scale(group[0], scale_dtype) if self.scheme.has_static_input else None
+            input_scale = self._input_scale(group[0], scale_dtype)
             result, report = self._solve_group(linears, group, acc, scale_dtype, input_scale)
             out.update(result)
             self.report.update(report)
         return out
 
+    def _input_scale(self, leader: str, scale_dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The group's static FP8 input scale, or NVFP4 activations' global scale; None when neither."""
+        if self.scheme.has_static_input:
+            return self._inputs.scale(leader, scale_dtype)
+        return self._inputs.global_scale(leader) if self.scheme.needs_input_global else None
+
     def _solve_group(self, linears: dict[str, nn.Linear], group: list[str], acc: HessianAccumulator,
                      scale_dtype: torch.dtype, input_scale: Optional[torch.Tensor]) -> tuple[dict, dict]:
         """One group's weights and report rows. Rows are independent given H: linears sharing an input are
         solved as one stacked matrix. A large H waits on disk during the solve (`park_hessian_bytes`)."""
-        nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
+        if self.scheme.is_micro:  # NVFP4: one global scale for the group (`microscale.shared_global_scale`)
+            nearest = dict(zip(group, microscale.quantize_group([linears[n].weight.data for n in group], self.scheme)))
+        else:
+            nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
         H = acc.take_hessian()  # the accumulator gives it up: this frame holds the only reference
         limit = self.config.park_hessian_bytes
         if limit is not None and H.numel() * H.element_size() >= limit:
@@ -148,7 +161,7 @@ class GPTQ(Algorithm):
             rows = slice(start, start + linears[name].out_features)
             result[name] = qw[name] if isinstance(qw, dict) else _rows(qw, rows)
             if input_scale is not None:
-                result[name].input_scale = input_scale
+                setattr(result[name], "input_global_scale" if self.scheme.is_micro else "input_scale", input_scale)
             report[name], rtn_err = self._metrics(linears[name].weight.data, result[name], nearest[name], H, solve,
                                                   error, rows)
             if self.scheme.grid is not None and (report[name].get("hessian_error_vs_rtn") or 0.0) > 1.0:
@@ -168,8 +181,7 @@ class GPTQ(Algorithm):
             acc = self._H.get(group[0])
             assert acc is not None, f"no calibration input reached {group[0]}"
             acc.reduce(lambda t, g=group[0]: world.sum_(t, f"GPTQ {g}: Hessian"))
-        scales = {g[0]: self._inputs.scale(g[0], scale_dtype) if self.scheme.has_static_input else None
-                  for g in groups}
+        scales = {g[0]: self._input_scale(g[0], scale_dtype) for g in groups}
         owners = distributed.owner_of([sum(linears[n].weight.numel() for n in g) for g in groups], world.size)
         mine: dict[int, tuple[dict, dict]] = {}
         for gi, group in enumerate(groups):
@@ -206,7 +218,13 @@ class GPTQ(Algorithm):
         actorder = self.scheme.actorder == "static"
         for attempt in range(cfg.dampening_retries + 1):
             try:
-                if self.scheme.is_fp8:
+                if self.scheme.is_micro:
+                    scale = torch.cat([qw.group_scales() for qw in nearest.values()])
+                    res = gptq_quantize_fp8(torch.cat(weights), H, scale, cfg.block_size, damp, actorder,
+                                            overwrite=True, columns_per_scale=self.scheme.group_size,
+                                            element_bits=self.scheme.num_bits)
+                    weight = _micro_rows(res.weight, nearest)
+                elif self.scheme.is_fp8:
                     scales = [column_scales(qw) for qw in nearest.values()]  # one scheme: one width for all
                     scale, width = torch.cat([s for s, _ in scales]), scales[0][1]
                     # [sum(out), in], the solver's working copy (overwrite): held by the solver only, which frees it
@@ -239,7 +257,7 @@ class GPTQ(Algorithm):
             raise HessianError(f"GPTQ failed on {name} even with dampening_frac {damp:.3g}; "
                                "set stages.N.args.dampening_frac higher or allow rtn_fallback")
         log.error("GPTQ %s: numerically unsolvable even with dampening_frac %.3g: FALLING BACK TO RTN", name, damp)
-        if self.scheme.is_fp8:
+        if self.scheme.is_fp8 or self.scheme.is_micro:
             fallback = nearest
         elif ggml.is_block_grid(self.scheme):
             fallback = ggml.nearest(torch.cat(weights), self.scheme)
@@ -265,6 +283,16 @@ def _fp8_rows(codes: torch.Tensor, nearest: dict[str, Fp8Weight]) -> dict[str, F
     for name, qw in nearest.items():
         rows = qw.q.shape[0]
         out[name] = Fp8Weight(codes[start : start + rows].contiguous(), qw.scale, qw.strategy, qw.block, qw.scheme)
+        start += rows
+    return out
+
+
+def _micro_rows(elements: torch.Tensor, nearest: dict[str, MicroWeight]) -> dict[str, MicroWeight]:
+    """Split stacked NVFP4 / MX elements back into each linear's weight, with that linear's own scales."""
+    out, start = {}, 0
+    for name, qw in nearest.items():
+        rows = qw.q.shape[0]
+        out[name] = MicroWeight(elements[start : start + rows].contiguous(), qw.scale, qw.global_scale, qw.scheme)
         start += rows
     return out
 

@@ -45,9 +45,15 @@ def export_tensors(model: nn.Module, storage_dtype: torch.dtype,
 
 def fixed_dtype_keys(module: nn.Module) -> set[str]:
     """State-dict keys (relative to `module`) kept in their own dtype rather than the storage dtype: the
-    scales of schemes that fix theirs (a GGUF grid's fp16 scales, which the codes were chosen against)."""
-    return {f"{name}.weight_scale" if name else "weight_scale" for name, m in module.named_modules()
-            if getattr(getattr(m, "scheme", None), "scale_dtype", None) is not None}
+    scales of schemes that fix theirs (a GGUF grid's fp16 scales, which the codes were chosen against), and
+    the buffers a module names in `fixed_dtype_buffers` (NVFP4's float32 global scales)."""
+    keys = set()
+    for name, m in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if getattr(getattr(m, "scheme", None), "scale_dtype", None) is not None:
+            keys.add(prefix + "weight_scale")
+        keys.update(prefix + b for b in getattr(m, "fixed_dtype_buffers", ()))
+    return keys
 
 
 def as_stored(t: torch.Tensor, storage_dtype: torch.dtype) -> torch.Tensor:

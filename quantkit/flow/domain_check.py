@@ -44,7 +44,7 @@ def rtn_counterpart(recipe: Recipe) -> Recipe:
             scheme = stage.get("scheme")
             if isinstance(scheme, dict):
                 scheme = {k: v for k, v in scheme.items() if k != "actorder"}
-            fp8 = resolved.scheme is not None and resolved.scheme.type == "float"  # FP8's nearest: the fp8 stage
+            fp8 = resolved.scheme is not None and resolved.scheme.is_fp8  # FP8's nearest: the fp8 stage
             stage = {"algorithm": "fp8" if fp8 else "rtn", "scheme": scheme, "targets": stage.get("targets", ["Linear"]),
                      "ignore": stage.get("ignore", [])}
         stages.append(stage)

@@ -267,7 +267,8 @@ def _resolve_stage(label: str, i: int, stage: StageSpec, address: str, explicit:
             able = [n for n in catalog.algorithm_names() if catalog.algorithm(n).quantizes(scheme)]
             raise RecipeError(
                 f"recipe {label}: stages.{i}: algorithm {stage.algorithm!r} does not quantize "
-                f"{'FP8' if scheme.is_fp8 else 'int'} schemes; algorithms that do: {', '.join(able)}")
+                f"{scheme.micro_name.upper() if scheme.is_micro else 'FP8' if scheme.is_fp8 else 'int'} schemes; "
+                f"algorithms that do: {', '.join(able)}")
     return ResolvedStage(i, address, stage, algo, config, scheme, explicit)
 
 

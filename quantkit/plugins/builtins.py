@@ -9,5 +9,6 @@ import quantkit.algorithms.smoothquant  # noqa: F401
 import quantkit.arch.builtin  # noqa: F401
 import quantkit.formats.float_quantized  # noqa: F401
 import quantkit.formats.int_quantized  # noqa: F401
+import quantkit.formats.microscaled  # noqa: F401
 import quantkit.formats.pack_quantized  # noqa: F401
 import quantkit.formats.ggml_blocks  # noqa: F401

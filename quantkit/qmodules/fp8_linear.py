@@ -141,7 +141,7 @@ class Fp8Linear(DenseCopy, nn.Module):
 
 
 def plan_dense_cache(model: nn.Module, dtype: torch.dtype) -> int:
-    """Let the model's emulated layers (FP8, W4AFP8: `DenseCopy`) keep their dequantized weights when allowed:
+    """Let the model's emulated layers (FP8, W4AFP8, NVFP4 / MX: `DenseCopy`) keep their dequantized weights when allowed:
     QUANTKIT_FP8_DENSE=1 always, =0 never, =auto (default) when the copies in `dtype` take at most
     DENSE_SHARE of the available memory (otherwise a warning says decoding will be slow).
     Returns the bytes the copies will take (0 when not kept)."""
@@ -151,7 +151,7 @@ def plan_dense_cache(model: nn.Module, dtype: torch.dtype) -> int:
     layers = [m for m in model.modules() if isinstance(m, DenseCopy) and m.dense_emulated]
     if not layers:
         return 0
-    need = sum(m.weight.numel() for m in layers) * torch.finfo(dtype).bits // 8
+    need = sum(m.dense_numel for m in layers) * torch.finfo(dtype).bits // 8
     if mode == "auto":
         avail = available_memory()
         keep = avail is not None and need <= DENSE_SHARE * avail

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.quant import ggml
+from quantkit.quant import fp4, ggml
 from quantkit.quant.fp8 import FP8_DTYPE, FP8_MAX
 from quantkit.quant.intq import (QuantizedWeight, compute_qparams, minmax_qparams, searched_grid_qparams,
                                  searched_qparams)
@@ -317,6 +317,7 @@ def gptq_quantize_fp8(
     actorder: bool = False,
     overwrite: bool = False,
     columns_per_scale: int = 1,
+    element_bits: int = 8,
 ) -> GPTQResult:
     """e4m3 codes [out, in] of W [out, in] on fixed scales (`GPTQResult`: with the count of dead columns and
     the solve's error tally). `scale` [out, ceil(in / columns_per_scale)] scales column c by
@@ -326,6 +327,7 @@ def gptq_quantize_fp8(
 
     Dequantized value = code x scale, as in `quantkit.quant.fp8`. The scales stay those given (the
     nearest rounding's), so the codes can replace the nearest codes in the same checkpoint layout.
+    element_bits 4: the elements are e2m1 (NVFP4, MXFP4: `quant.fp4`), returned as e4m3 holding them exactly.
     """
     W, diag, dead = _prepare(W, H, overwrite)
     out_f, n = W.shape
@@ -342,7 +344,10 @@ def gptq_quantize_fp8(
     def round_column(j: int, W1: torch.Tensor, i: int, q: torch.Tensor, deq: torch.Tensor) -> None:
         s = s_groups[group_of[j]]
         torch.div(W1[i], s, out=q)
-        q.copy_(q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))  # nearest e4m3, saturating (exact in float32)
+        if element_bits == 4:
+            q.copy_(fp4.round_e2m1(q))  # nearest e2m1, saturating at 6
+        else:
+            q.copy_(q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))  # nearest e4m3, saturating (exact in float32)
         torch.mul(q, s, out=deq)
 
     Qt, row_error = _solve_columns(W, Hinv, block_size, round_column, FP8_DTYPE)

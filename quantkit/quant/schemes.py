@@ -6,7 +6,7 @@ Field names follow compressed-tensors' `QuantizationArgs` so a scheme maps 1:1 o
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 from pydantic import ConfigDict, field_validator, model_validator
@@ -18,18 +18,27 @@ from quantkit.core.validation import StrictModel
 class ActivationScheme(StrictModel):
     """Input-activation quantization of a linear (compressed-tensors' `input_activations`): FP8 e4m3
     (type float) or symmetric int8 (type int: s = absmax / 127, codes rounded half to even and saturated
-    to [-128, 127], as vLLM's int8 kernels quantize)."""
+    to [-128, 127], as vLLM's int8 kernels quantize) per token or tensor; or microscaled floats per group
+    of the hidden dimension (`quant.microscale`): NVFP4's (strategy tensor_group, group 16, dynamic
+    "local": group scales at run time under a calibrated global scale) and MX's (strategy group, group 32,
+    dynamic)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_bits: Literal[8] = 8
+    num_bits: Literal[4, 8] = 8
     type: Literal["float", "int"] = "float"
-    strategy: Literal["token", "tensor"] = "token"  # token: per-token scales at run time; tensor: one static scale
-    dynamic: Optional[bool] = None  # implied by the strategy (token: dynamic, tensor: static)
+    strategy: Literal["token", "tensor", "group", "tensor_group"] = "token"  # token: per-token scales at run
+    # time; tensor: one static scale; group / tensor_group: microscaled (above)
+    group_size: Optional[int] = None  # group strategies only
+    dynamic: Optional[Union[bool, Literal["local"]]] = None  # implied by the strategy
     observer: Literal["minmax", "mse"] = "minmax"  # static scales only: absmax / 448, or the MSE-best shrink of it
 
     @model_validator(mode="after")
     def _check(self) -> "ActivationScheme":
+        if self.strategy in ("group", "tensor_group"):
+            return self._check_micro()
+        if self.num_bits != 8 or self.group_size is not None:
+            raise ValueError(f"{self.strategy} activations take 8 bits and no group_size")
         if self.type == "int" and self.strategy != "token":
             raise ValueError("int8 activations are dynamic per token here (strategy token); static per-tensor "
                              "int8 activation scales are not supported yet")
@@ -41,6 +50,22 @@ class ActivationScheme(StrictModel):
                              f"drop `dynamic` or use strategy {'tensor' if implied else 'token'}")
         return self
 
+    def _check_micro(self) -> "ActivationScheme":
+        nv = self.strategy == "tensor_group"
+        want = (4, 16, "local") if nv else (self.num_bits, 32, True)
+        if self.type != "float" or (self.num_bits, self.group_size) != want[:2]:
+            raise ValueError(f"{self.strategy} activations are {'NVFP4: 4-bit floats in groups of 16' if nv else 'MX: 4- or 8-bit floats in groups of 32'} "
+                             f"(got type {self.type}, {self.num_bits} bits, group_size {self.group_size})")
+        if self.dynamic is None:
+            object.__setattr__(self, "dynamic", want[2])
+        elif self.dynamic != want[2]:
+            raise ValueError(f"{self.strategy} activations are dynamic={want[2]!r} (got {self.dynamic!r})")
+        return self
+
+    @property
+    def microscaled(self) -> bool:
+        return self.strategy in ("group", "tensor_group")
+
 
 class QuantScheme(StrictModel):
     """Weight quantization scheme (plus, for FP8, the input activations'); validated so that every
@@ -51,7 +76,7 @@ class QuantScheme(StrictModel):
     num_bits: int = 4
     type: Literal["int", "float"] = "int"
     symmetric: bool = True
-    strategy: Literal["channel", "group", "tensor", "block"] = "group"
+    strategy: Literal["channel", "group", "tensor", "block", "tensor_group"] = "group"
     group_size: Optional[int] = 128  # columns sharing one scale; only for strategy "group"
     block_structure: Optional[tuple[int, int]] = None  # [rows, cols] sharing one scale; only for strategy "block"
     actorder: Optional[Literal["static"]] = None  # GPTQ column order; "static" keeps groups contiguous
@@ -82,6 +107,9 @@ class QuantScheme(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> "QuantScheme":
+        if self.type == "float" and self.strategy in ("group", "tensor_group"):
+            self._check_micro()
+            return self
         if self.type == "float":
             if self.num_bits != 8 or not self.symmetric:
                 raise ValueError("float weights are FP8 e4m3: num_bits 8, symmetric")
@@ -121,6 +149,26 @@ class QuantScheme(StrictModel):
                              "drop it or use strategy 'group'")
         return self
 
+    def _check_micro(self) -> None:
+        """NVFP4 (tensor_group: 4-bit elements, group 16) or MX (group: 4- or 8-bit elements, group 32), symmetric,
+        scales in the format's own type; activations, if any, in the same format."""
+        nv = self.strategy == "tensor_group"
+        name = "NVFP4" if nv else f"MXFP{self.num_bits}"
+        want = (4, 16) if nv else (self.num_bits, 32)
+        if (self.num_bits, self.group_size) != want or self.num_bits not in (4, 8):
+            raise ValueError(f"float weights in strategy {self.strategy} are {'NVFP4: num_bits 4, group_size 16' if nv else 'MX: num_bits 4 or 8, group_size 32'} "
+                             f"(got num_bits {self.num_bits}, group_size {self.group_size}; presets NVFP4A16, "
+                             "MXFP4A16, MXFP8A16); FP8 e4m3 weights take strategy tensor, channel or block")
+        if not self.symmetric or self.grid is not None or self.scale_dtype is not None or self.block_structure:
+            raise ValueError(f"{name} weights are symmetric with the format's own scale type (e4m3 / e8m0): drop "
+                             "symmetric, grid, scale_dtype and block_structure")
+        if self.observer != "minmax":
+            raise ValueError(f"{name} weights take observer minmax (the format's own scale rule)")
+        acts = self.input_activations
+        if acts is not None and (acts.strategy != self.strategy or acts.num_bits != self.num_bits):
+            raise ValueError(f"{name} weights take {name} activations (strategy {self.strategy}, {self.num_bits} bits) "
+                             f"or none, not {acts.strategy} {acts.num_bits}-bit ones")
+
     def _check_int_activations(self) -> None:
         """Int weights with quantized activations: W8A8 (int8 weights, int8 activations) or W4AFP8 (grouped
         int4 weights, FP8 activations), symmetric, outside the GGUF grids."""
@@ -154,7 +202,22 @@ class QuantScheme(StrictModel):
 
     @property
     def is_fp8(self) -> bool:
-        return self.type == "float"
+        """FP8 e4m3 with tensor, channel or block scales (compressed-tensors float-quantized)."""
+        return self.type == "float" and not self.is_micro
+
+    @property
+    def is_micro(self) -> bool:
+        """A microscaled float format: NVFP4 (tensor_group) or MXFP4 / MXFP8 (group), `quant.microscale`."""
+        return self.type == "float" and self.strategy in ("group", "tensor_group")
+
+    @property
+    def micro_name(self) -> str:
+        return "nvfp4" if self.strategy == "tensor_group" else f"mxfp{self.num_bits}"
+
+    @property
+    def needs_input_global(self) -> bool:
+        """NVFP4 activations: their global scale is calibrated on the layer's inputs."""
+        return self.input_activations is not None and self.input_activations.dynamic == "local"
 
     @property
     def activation_quantized(self) -> bool:
@@ -179,6 +242,8 @@ class QuantScheme(StrictModel):
 
     def short(self) -> str:
         order = " actorder" if self.actorder else ""
+        if self.is_micro:
+            return f"{self.micro_name}{order} {'a16' if self.input_activations is None else f'a{self.num_bits} dynamic per-group'}"
         if self.is_fp8:
             gran = f"block{list(self.block_structure)}" if self.strategy == "block" else self.strategy
             act = self.input_activations
@@ -229,6 +294,17 @@ PRESETS: dict[str, dict] = {
     # int4 weights (symmetric, group 128) and FP8 activations (dynamic per token): compressed-tensors' W4AFP8
     "W4AFP8": dict(num_bits=4, symmetric=True, strategy="group", group_size=128,
                    input_activations={"type": "float", "strategy": "token"}),
+    # microscaled floats (`quant.microscale`): NVFP4 (e2m1, e4m3 scales per 16 under a global scale) and MX
+    # (e2m1 or e4m3, e8m0 scales per 32), weight-only or with activations in the same format
+    "NVFP4A16": dict(num_bits=4, type="float", strategy="tensor_group", group_size=16),
+    "NVFP4": dict(num_bits=4, type="float", strategy="tensor_group", group_size=16,
+                  input_activations={"num_bits": 4, "strategy": "tensor_group", "group_size": 16}),
+    "MXFP4A16": dict(num_bits=4, type="float", strategy="group", group_size=32),
+    "MXFP4": dict(num_bits=4, type="float", strategy="group", group_size=32,
+                  input_activations={"num_bits": 4, "strategy": "group", "group_size": 32}),
+    "MXFP8A16": dict(num_bits=8, type="float", strategy="group", group_size=32),
+    "MXFP8": dict(num_bits=8, type="float", strategy="group", group_size=32,
+                  input_activations={"num_bits": 8, "strategy": "group", "group_size": 32}),
 }
 
 
@@ -243,6 +319,6 @@ def resolve_scheme(preset: Optional[str], overrides: dict) -> QuantScheme:
     fields.update(overrides)
     if isinstance(base_acts, dict) and isinstance(overrides.get("input_activations"), dict):
         fields["input_activations"] = {**base_acts, **overrides["input_activations"]}  # override single fields
-    if "group_size" not in overrides and fields.get("strategy", "group") != "group":
+    if "group_size" not in overrides and fields.get("strategy", "group") in ("channel", "tensor", "block"):
         fields.pop("group_size", None)  # a preset's size does not follow it to another strategy (`_no_default_group`)
     return QuantScheme(**fields)

@@ -34,6 +34,8 @@ from quantkit.kernels import cpu_int4
 from quantkit.qmodules.fp8_linear import Fp8Linear
 from quantkit.qmodules.int_act_linear import IntActLinear
 from quantkit.qmodules.int_linear import PackedIntLinear
+from quantkit.qmodules.micro_linear import MicroLinear
+from quantkit.qmodules.dense_copy import DenseCopy
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ NARROW_DTYPE = torch.bfloat16  # the 16-bit activations a W4A16 layer may take u
 
 @dataclass(frozen=True)
 class LayerKind:
-    """What decides a linear's speed: family ("dense", "int4", "int", "fp8", "int-act", "ggml"), shape and scheme."""
+    """What decides a linear's speed: family ("dense", "int4", "int", "fp8", "int-act", "micro", "ggml"), shape and scheme."""
 
     family: str
     out_features: int
@@ -156,7 +158,8 @@ def kind_of(module: nn.Module) -> Optional[LayerKind]:
         family = "int4" if cpu_int4.unsupported_reason(scheme.num_bits, module.in_features,
                                                        module.kernel_group_size) is None else "int"
     else:
-        family = "fp8" if isinstance(module, Fp8Linear) else "int-act" if isinstance(module, IntActLinear) else "ggml"
+        family = ("fp8" if isinstance(module, Fp8Linear) else "int-act" if isinstance(module, IntActLinear)
+                  else "micro" if isinstance(module, MicroLinear) else "ggml")
     return LayerKind(family, module.out_features, module.in_features, detail)
 
 
@@ -262,7 +265,7 @@ def _runner(module: nn.Module, route: Route) -> _Runner:
         module.kernel_request = "cpu" if route.kernel == "int4-op" else "torch"
         module.op_dtype = route.dtype
         module.op_tokens = 1 << 30
-    if isinstance(module, Fp8Linear):
+    if isinstance(module, DenseCopy):
         module.keep_dense = True  # as `plan_dense_cache` lets a model that fits keep them
     return _Runner(module, sum(t.numel() * t.element_size() for t in module.state_dict().values()))
 
