@@ -44,7 +44,8 @@ def test_presets_match_compressed_tensors():
     (dict(num_bits=4, symmetric=False, input_activations={"type": "int"}), "symmetric int weights"),
     (dict(num_bits=4, input_activations={"type": "int"}), "int8 activations take int8 weights"),
     (dict(num_bits=8, strategy="channel", input_activations={"type": "float"}), "W4AFP8"),
-    (dict(num_bits=8, strategy="channel", input_activations={"type": "int", "strategy": "tensor"}), "per token"),
+    (dict(num_bits=8, strategy="channel", input_activations={"type": "int", "strategy": "tensor", "observer": "mse"}),
+     "observer minmax"),
     (dict(num_bits=8, type="float", strategy="channel", input_activations={"type": "int"}), "FP8 activations"),
     (dict(num_bits=8, group_size=32, grid="q8_0", input_activations={"type": "int"}), "GGUF grids"),
 ])
@@ -207,8 +208,8 @@ def test_bad_int_quantized_config_is_refused():
     qc = {"quant_method": "compressed-tensors", "config_groups": {"g": {
         "format": "int-quantized", "targets": ["Linear"],
         "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
-        "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}}}}
-    with pytest.raises(CheckpointError, match="config_groups.g.input_activations: strategy 'tensor'"):
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": False}}}}
+    with pytest.raises(CheckpointError, match="config_groups.g.input_activations: strategy 'token'"):
         parse_quantization_config(qc, "x")
     del qc["config_groups"]["g"]["input_activations"]
     with pytest.raises(CheckpointError, match="without input_activations"):
@@ -235,3 +236,76 @@ def test_w4afp8_dense_copy_follows_the_memory_plan(w8a8_checkpoints, monkeypatch
     w8 = quantkit.load(w8a8_checkpoints["w8a8-dynamic"], dtype=torch.float32)
     assert fp8linear.plan_dense_cache(w8, torch.float32) == 0
     assert not any(m.keep_dense for m in w8.modules() if isinstance(m, IntActLinear))
+
+
+# -- static per-tensor int8 activations ------------------------------------------------------------------------
+
+STATIC = ["stages.0.scheme={preset: W8A8, input_activations: {strategy: tensor}}", "calibration.num_samples=4",
+          "calibration.seq_len=32", "calibration.check_samples=0"]
+
+
+def test_static_int8_scheme_and_fixed_codes():
+    sc = resolve_scheme("W8A8", {"input_activations": {"strategy": "tensor"}})
+    assert sc.has_static_input and sc.input_activations.dynamic is False and "static per-tensor" in sc.short()
+    from quantkit.kernels.reference import int8_quantize_static, int8_static_scale
+
+    s = int8_static_scale(torch.tensor(254.0), torch.float32)
+    assert s.tolist() == [2.0]
+    q, xs = int8_quantize_static(torch.tensor([[3.0, 5.0, -1.0, 300.0, -400.0, 0.4]]), s)
+    assert q.tolist() == [[2, 2, 0, 127, -128, 0]]  # 1.5 -> 2, 2.5 -> 2, -0.5 -> 0 (half to even), saturated
+    assert xs.shape == (1, 1) and float(xs) == 2.0
+
+
+@pytest.fixture(scope="module")
+def w8a8_static(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("w8a8-static")
+    return {algo: quantize(str(tiny_models["llama"]), load_recipe(recipe, STATIC), root / algo, progress=False).output
+            for algo, recipe in (("rtn", "w8a8-dynamic"), ("gptq", "gptq-w8a16"))}
+
+
+@pytest.mark.parametrize("algo", ["rtn", "gptq"])
+def test_static_int8_checkpoint_layout_and_transformers(w8a8_static, tokenizer, algo):
+    """An `input_scale` per linear (one per input-sharing group: q/k/v and gate/up share theirs), the config
+    compressed-tensors parses as static per-tensor int8, and transformers runs each layer as we do (its static
+    rule is ours: x / s rounded half to even, saturated)."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers import AutoModelForCausalLM
+
+    path = w8a8_static[algo]
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    acts = QuantizationConfig.model_validate(raw).config_groups["group_0"].input_activations
+    assert (acts.strategy, acts.dynamic, acts.type) == ("tensor", False, "int")
+    tensors = load_file(str(path / "model.safetensors"))
+    layer = "model.layers.1."
+    scales = {n: float(tensors[f"{layer}{n}.input_scale"]) for n in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                    "self_attn.v_proj", "mlp.down_proj")}
+    assert scales["self_attn.q_proj"] == scales["self_attn.k_proj"] == scales["self_attn.v_proj"] > 0
+    assert scales["mlp.down_proj"] != scales["self_attn.q_proj"]
+    ours = quantkit.load(path, dtype=torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    seen = {}
+    for name, module in theirs.named_modules():
+        if name.endswith("_proj"):
+            module.register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(name, (a[0], o)))
+    ids = sample_ids(tokenizer, 2)
+    with torch.no_grad():
+        a, b = ours(ids).logits, theirs(ids).logits
+        assert len(seen) == 21
+        for name, (x, y) in seen.items():  # each layer on the same input: the same output up to float32 rounding
+            torch.testing.assert_close(ours.get_submodule(name)(x), y, rtol=0, atol=1e-5)
+    # end to end, an input rounding difference of 1e-7 can flip one activation code: a step of the int8 grid
+    assert (a - b).abs().max() < 0.02 * b.abs().max()
+
+
+def test_static_int8_module_equals_a_float_reference():
+    lin = torch.nn.Linear(256, 48)
+    scheme = resolve_scheme("W8A8", {"input_activations": {"strategy": "tensor"}})
+    qw = rtn(lin.weight.data, scheme, torch.float32)
+    qw.input_scale = torch.tensor([0.02])
+    mod = IntActLinear.from_quantized(qw, lin.bias.data)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    xq = torch.round(x / 0.02).clamp(-128, 127)
+    want = (xq.double() * 0.02) @ mod.dequantize(torch.float64).t() + lin.bias.double()
+    for kernel in (None, "torch"):
+        mod.kernel_request = kernel
+        torch.testing.assert_close(mod(x).double(), want, rtol=1e-5, atol=1e-5)

@@ -72,6 +72,8 @@ class Algorithm(ABC):
     supports_int: ClassVar[bool] = True  # quantizes int schemes
     supports_fp8: ClassVar[bool] = False  # quantizes FP8 (e4m3) schemes
     supports_micro: ClassVar[bool] = False  # quantizes microscaled float schemes (NVFP4, MXFP4, MXFP8)
+    any_grid: ClassVar[bool] = False  # a transform that prepares weights for every grid (int, FP8, ggml, NVFP4)
+    rewrites_outside: ClassVar[bool] = False  # a transform whose `transform_model` rewrites embeddings / lm_head
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -110,6 +112,10 @@ class Algorithm(ABC):
         if scheme.is_micro:
             return cls.produces_weights and cls.supports_micro
         return cls.produces_weights and (cls.supports_fp8 if scheme.is_fp8 else cls.supports_int)
+
+    def transform_model(self, model: nn.Module, adapter: "ArchitectureAdapter") -> None:
+        """For transforms: rewrite what lies outside the decoder layers (embeddings, final norm, lm_head) once,
+        before the first layer's calibration inputs are captured. Most transforms need nothing here."""
 
     def transform_layer(self, ctx: LayerContext) -> None:
         """For transforms (`produces_weights = False`): rewrite the layer's float weights in place,

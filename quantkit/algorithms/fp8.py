@@ -21,6 +21,7 @@ from quantkit.algorithms.base import Algorithm, AlgorithmConfig
 from quantkit.errors import QuantizationError
 from quantkit.quant.fp8 import Fp8Weight, InputScaleObserver, quantize_weight
 from quantkit.quant.microscale import nvfp4_global_scale
+from quantkit.kernels.reference import int8_static_scale
 from quantkit.core.registry import ALGORITHMS
 
 
@@ -81,6 +82,7 @@ class StaticInputScales:
         self._observer = acts.observer if scheme.has_static_input else "minmax" if scheme.needs_input_global else None
         self._samples = samples
         self._seed = seed
+        self._int8 = scheme.has_static_input and acts.type == "int"  # static int8: absmax / 127
         self._by_name: dict[str, InputScaleObserver] = {}
 
     def clear(self) -> None:
@@ -99,7 +101,10 @@ class StaticInputScales:
     def scale(self, name: str, scale_dtype: torch.dtype) -> torch.Tensor:
         """The static input scale of `name`; in a distributed run a collective call: every rank asks for the
         same names in the same order and gets the scale of all ranks' inputs."""
-        return self._reduced(name).scale(scale_dtype)
+        observer = self._reduced(name)
+        if self._int8:
+            return int8_static_scale(observer.absmax, scale_dtype)
+        return observer.scale(scale_dtype)
 
     def global_scale(self, name: str) -> torch.Tensor:
         """NVFP4 activations: the global scale (float32 [1]) of `name`'s inputs, 448 * 6 / absmax (collective,

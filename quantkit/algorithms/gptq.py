@@ -85,7 +85,7 @@ class GPTQ(Algorithm):
         if config.scale_search and getattr(scheme, "grid", None) not in ("q4_0", "q8_0", "q4_k_m") and not ggml.is_block_grid(scheme):
             raise RecipeError("gptq: scale_search is for GGUF's Q4_0, Q8_0, Q5_0, Q4_K, Q6_K grids (scheme: Q4_0, Q8_0, Q4_K_M, ...)")
         self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed) \
-            if scheme.is_fp8 or scheme.needs_input_global else None
+            if scheme.is_fp8 or scheme.needs_input_global or scheme.has_static_input else None
 
     def true_sequential(self) -> bool:
         return self.config.true_sequential

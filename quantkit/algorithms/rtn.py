@@ -1,8 +1,9 @@
 """Round-to-nearest (RTN): min/max scales per channel or group, no calibration data needed.
 
 Microscaled float schemes (NVFP4, MXFP4, MXFP8) round with their format's own scale rule
-(`quant.microscale`), NVFP4's linears that read one input sharing a global scale; NVFP4 activations
-need their global scale from calibration inputs (then, and only then, this stage reads data).
+(`quant.microscale`), NVFP4's linears that read one input sharing a global scale. NVFP4 activations' global
+scale and static per-tensor int8 activation scales (W8A8 static) come from the calibration inputs (then, and
+only then, this stage reads data).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ class RTN(Algorithm):
     def __init__(self, config: RTNConfig, scheme):
         super().__init__(config, scheme)
         self._inputs = StaticInputScales(scheme, 1024, 0) if scheme is not None and \
-            scheme.needs_input_global else None
+            (scheme.needs_input_global or scheme.has_static_input) else None
 
     def needs_data(self) -> bool:
-        return self.needs_calibration or self._inputs is not None  # NVFP4 activations: global scale from inputs
+        # NVFP4 activations' global scale, static int8 activation scales: from the calibration inputs
+        return self.needs_calibration or self._inputs is not None
 
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
         self._leader = {name: group[0] for group in groups for name in group}
@@ -53,7 +55,13 @@ class RTN(Algorithm):
             return self._micro(linears, groups)
         if ggml.is_block_grid(self.scheme):  # ggml's own parameter rule (llama-quantize without an imatrix)
             return {name: ggml.nearest(lin.weight.data, self.scheme) for name, lin in linears.items()}
-        return {name: rtn(lin.weight.data, self.scheme, scale_dtype) for name, lin in linears.items()}
+        out = {name: rtn(lin.weight.data, self.scheme, scale_dtype) for name, lin in linears.items()}
+        if self._inputs is not None:  # static int8 activations (W8A8): one scale per input-sharing group
+            for group in groups:
+                scale = self._inputs.scale(group[0], scale_dtype)
+                for name in group:
+                    out[name].input_scale = scale
+        return out
 
     def _micro(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> dict:
         out = {}

@@ -57,6 +57,7 @@ class OnloadedModel:
         self.namer = adapter.to_checkpoint_name
         layers = adapter.layers_path + "."
         self.head, self.tail, self._tied = [], [], {}
+        self.outside_in_memory = False  # `materialize_outside`: the outside tensors live in the model
         seen: dict[int, str] = {}
         in_layers = False
         for key, t in model.state_dict(keep_vars=True).items():
@@ -114,8 +115,29 @@ class OnloadedModel:
         assert self.writer is not None, "begin(writer) first"
         self.writer.add(name, t)
 
+    def materialize_outside(self) -> None:
+        """Load the tensors outside the decoder layers into the model (compute dtype), ties kept, for a stage
+        that rewrites them (`Algorithm.rewrites_outside`); from then on they are written from the model and
+        the embeddings are whole (no rows on demand)."""
+        for key in self.head + self.tail:
+            if key not in self._tied:
+                self._assign(key, nn.Parameter(self._get(key), requires_grad=False))
+        for key, first in self._tied.items():
+            self._assign(key, self.model.get_parameter(first))
+        self.outside_in_memory = True
+
+    def _assign(self, key: str, value: nn.Parameter) -> None:
+        owner, _, attr = key.rpartition(".")
+        setattr(self.model.get_submodule(owner), attr, value)
+
     def _write_outside(self, keys: list[str]) -> None:
         tie = getattr(self.model.config, "tie_word_embeddings", False)
+        if self.outside_in_memory:
+            state = self.model.state_dict()
+            for key in keys:
+                if not (key in self._tied and tie):
+                    self._write(key, state[key])
+            return
         for key in keys:
             if key in self.ckpt:
                 # as stored, straight to the storage dtype: the same bytes as through the compute dtype
@@ -140,7 +162,7 @@ class OnloadedModel:
         if writer is not None:
             self.writer = writer
             self._write_outside(self.head)
-        if needs_embeddings:
+        if needs_embeddings and not self.outside_in_memory:
             self._hooks = self._rows_on_demand(*self._embedding_owner())
 
     def _rows_on_demand(self, emb: nn.Module, prefix: str) -> list:

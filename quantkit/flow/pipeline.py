@@ -178,6 +178,8 @@ def _assign_later_schemes(stage: Stage, stages: list[Stage], claimed: dict[str, 
             f"or add those modules to stages.{stage.index}.ignore"
         )
     stage.schemes = {n: stages[claimed[n]].scheme_of(n) for n in stage.modules}
+    if stage.algorithm.any_grid:
+        return
     blocks = [n for n, sc in stage.schemes.items() if is_block_grid(sc)]
     if blocks:
         raise QuantizationError(
@@ -244,6 +246,8 @@ def quantize_model(
     start = time.perf_counter()
     layers = adapter.layers(model)
     result = result if result is not None else QuantizationResult()
+    if store is None:  # onloading: the caller transformed them already (`transform_outside`)
+        transform_outside(model, adapter, stages)
     inputs = _first_inputs(model, layers, stages, batches, device, activations, start_layer, resume_hidden, result)
     notes: dict[str, dict] = {}  # what transforms report per linear, logged when it is quantized
     bar = tqdm(range(start_layer, len(layers)), desc="quantizing layers", unit="layer", disable=not progress,
@@ -273,6 +277,19 @@ def quantize_model(
     bar.close()
     result.seconds = time.perf_counter() - start
     return result
+
+
+def rewrites_outside(stages: list[Stage]) -> bool:
+    """Whether a stage rewrites tensors outside the decoder layers (the rotate stage's embeddings and lm_head)."""
+    return any(s.algorithm.rewrites_outside for s in stages)
+
+
+def transform_outside(model: nn.Module, adapter: ArchitectureAdapter, stages: list[Stage]) -> None:
+    """Each transform stage's `transform_model`, once, before any layer is calibrated (an onloaded model's
+    outside tensors must be in memory first: `OnloadedModel.materialize_outside`)."""
+    for stage in stages:
+        if stage.algorithm.kind == "transform":
+            stage.algorithm.transform_model(model, adapter)
 
 
 def _first_inputs(model, layers, stages, batches, device, activations, start_layer: int, resume_hidden,

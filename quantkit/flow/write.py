@@ -13,7 +13,7 @@ from quantkit.checkpoints.export import export_checkpoint, write_model_files
 from quantkit.checkpoints.quantization_config import build_quantization_config
 from quantkit.flow import resume as resume_mod
 from quantkit.flow.onload import OnloadedModel
-from quantkit.flow.pipeline import QuantizationResult, quantize_model
+from quantkit.flow.pipeline import QuantizationResult, quantize_model, rewrites_outside, transform_outside
 from quantkit.flow.record import QuantizeRecord
 from quantkit.formats.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter
 from quantkit.formats.lazy import LazyCheckpoint
@@ -45,6 +45,7 @@ def run_layers(model, adapter, stages, batches, record: QuantizeRecord, state: "
     source, storage = record.source, record.storage_dtype
     with atomic_output_dir(record.output, overwrite, protect=[source]) as tmp:
         part = None if state.has("head") else state.part("head")
+        _outside(model, adapter, stages, onloaded)
         onloaded.begin(part, needs_embeddings=batches is not None)  # None: written by the stopped run
         if part is not None:
             state.keep("head", part)
@@ -78,11 +79,20 @@ def run_silent(model, adapter, stages, batches, storage_dtype, device, activatio
     if onloaded is None:
         return quantize_model(model, adapter, stages, batches, storage_dtype, False, device=device,
                               activations=activations)
+    _outside(model, adapter, stages, onloaded)
     onloaded.begin(None, needs_embeddings=batches is not None)
     result = quantize_model(model, adapter, stages, batches, storage_dtype, False, store=_DiscardStore(onloaded),
                             device=device, activations=activations)
     onloaded.end(write=False)
     return result
+
+
+def _outside(model, adapter, stages, onloaded: OnloadedModel) -> None:
+    """A stage that rewrites the tensors outside the decoder layers (rotate) gets them in memory, rewrites them
+    before any is written or read for calibration, and they are written from the model."""
+    if rewrites_outside(stages):
+        onloaded.materialize_outside()
+        transform_outside(model, adapter, stages)
 
 
 class _DiscardStore:

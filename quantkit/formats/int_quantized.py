@@ -2,7 +2,8 @@
 whose activations are quantized too (W8A8: int8 x int8; W4AFP8: int4 weights, FP8 activations).
 
 compressed-tensors picks this format for any int-weight scheme with `input_activations`; the
-tensors are `weight` (int8 codes) and `weight_scale` (symmetric: no zero point).
+tensors are `weight` (int8 codes) and `weight_scale` (symmetric: no zero point), and with static int8
+activations `input_scale` [1].
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ class IntQuantized(QuantFormat):
     def activations_config(self, scheme: QuantScheme) -> Optional[dict]:
         acts = scheme.input_activations
         return {
-            "num_bits": 8, "type": acts.type, "symmetric": True, "strategy": "token", "group_size": None,
-            "block_structure": None, "dynamic": True, "actorder": None, "observer": None, "observer_kwargs": {},
-            "scale_dtype": None, "zp_dtype": None,
+            "num_bits": 8, "type": acts.type, "symmetric": True, "strategy": acts.strategy, "group_size": None,
+            "block_structure": None, "dynamic": acts.dynamic, "actorder": None,
+            "observer": None if acts.dynamic else "minmax", "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": None,
         }
 
     def scheme_from_config(self, group: str, weights: dict, input_activations: Optional[dict] = None) -> QuantScheme:
@@ -55,10 +56,11 @@ class IntQuantized(QuantFormat):
         acts_type = input_activations.get("type", "int")
         if input_activations.get("num_bits", 8) != 8 or acts_type not in ("int", "float"):
             raise CheckpointError(f"{where}.input_activations: only 8-bit int or FP8 activations are supported")
-        if input_activations.get("strategy") != "token" or not input_activations.get("dynamic"):
-            raise CheckpointError(f"{where}.input_activations: strategy {input_activations.get('strategy')!r} with "
-                                  f"dynamic={input_activations.get('dynamic')} is not supported; supported: token "
-                                  "(dynamic)")
+        acts_strategy, dynamic = input_activations.get("strategy"), input_activations.get("dynamic")
+        if (acts_strategy, bool(dynamic)) not in (("token", True), ("tensor", False)) or \
+                (acts_strategy == "tensor" and acts_type != "int"):
+            raise CheckpointError(f"{where}.input_activations: strategy {acts_strategy!r} with dynamic={dynamic} is not "
+                                  "supported; supported: token (dynamic), and tensor (static) for int8")
         if not input_activations.get("symmetric", True) or not weights.get("symmetric", True):
             raise CheckpointError(f"{where}: asymmetric int-quantized weights or activations are not supported")
         if weights.get("type", "int") != "int":
@@ -68,7 +70,7 @@ class IntQuantized(QuantFormat):
             return QuantScheme(num_bits=weights["num_bits"], symmetric=True, strategy=strategy,
                                group_size=weights.get("group_size") if strategy == "group" else None,
                                actorder="static" if weights.get("actorder") in ("static", "weight") else None,
-                               input_activations=ActivationScheme(type=acts_type, strategy="token"))
+                               input_activations=ActivationScheme(type=acts_type, strategy=acts_strategy))
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"{where}: {exc}") from None
 

@@ -80,6 +80,20 @@ def int8_quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, amax / INT8_MAX
 
 
+def int8_static_scale(absmax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """A static per-tensor int8 activation scale [1]: absmax / 127 of the calibration inputs, in scale_dtype
+    (what the checkpoint stores; a zero absmax gives the smallest positive scale, so codes stay 0)."""
+    return (absmax.float().reshape(1).clamp(min=1e-12) / INT8_MAX).to(scale_dtype)
+
+
+def int8_quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static per-tensor int8 quantization as vLLM's `scaled_int8_quant` with a given scale: q = x / s rounded
+    half to even, saturated to [-128, 127]. Returns (q [..., K] int8, s broadcast to [..., 1] float32)."""
+    s = scale.float().reshape(1)
+    q = torch.round(x.float() / s).clamp_(-128, INT8_MAX).to(torch.int8)
+    return q, s.expand(*x.shape[:-1], 1)
+
+
 def int8_matmul_reference(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                           out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(xq [M, K] int8 * x_scale [M, 1]) @ (wq [N, K] int8 * w_scale [N, 1])^T: the integer products summed

@@ -4,6 +4,7 @@ import quantkit.algorithms.awq  # noqa: F401
 import quantkit.algorithms.fp8  # noqa: F401
 import quantkit.algorithms.gptq  # noqa: F401
 import quantkit.algorithms.kv_cache  # noqa: F401
+import quantkit.algorithms.rotate  # noqa: F401
 import quantkit.algorithms.rtn  # noqa: F401
 import quantkit.algorithms.smoothquant  # noqa: F401
 import quantkit.arch.builtin  # noqa: F401

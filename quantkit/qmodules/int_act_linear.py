@@ -4,7 +4,7 @@ Buffers are exactly the checkpoint's tensors: `weight` (the int codes as int8 [o
 `weight_scale` ([out, 1] per channel, [out, in / group] per group), symmetric. Two schemes:
 
 - W8A8: int8 weights per channel, int8 activations dynamic per token (`kernels.reference.
-  int8_quantize_per_token`). The integer products are summed exactly, through torch's int8 GEMM
+  int8_quantize_per_token`) or static per tensor (`input_scale` [1], calibrated: `int8_quantize_static`). The integer products are summed exactly, through torch's int8 GEMM
   (`torch._int_mm`, oneDNN with VNNI / AMX on a CPU) where it runs, else in float64; both give the same
   bits. Then y = x_scale * (w_scale * acc) + bias in float32, cast to the input's dtype.
 - W4AFP8: int4 weights in groups, FP8 e4m3 activations dynamic per token: the activations are
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.kernels.reference import (fp8_quantize_per_token, int8_matmul, int8_matmul_reference,
-                                        int8_quantize_per_token)
+                                        int8_quantize_per_token, int8_quantize_static)
 from quantkit.kernels.select import forced_kernel
 from quantkit.errors import KernelError
 from quantkit.qmodules.dense_copy import DenseCopy
@@ -43,6 +43,8 @@ class IntActLinear(DenseCopy, nn.Module):
         groups = scheme.group_count(in_features)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=scale_dtype, device=device))
+        static = scheme.has_static_input  # W8A8 with one calibrated int8 scale for the input
+        self.register_buffer("input_scale", torch.ones(1, dtype=scale_dtype, device=device) if static else None)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=scale_dtype, device=device),
                                  requires_grad=False) if bias else None
         self.kernel_request: Optional[str] = forced_kernel()
@@ -55,6 +57,8 @@ class IntActLinear(DenseCopy, nn.Module):
         mod = cls(in_features, out_features, bias is not None, qw.scheme, qw.scale.dtype, device=qw.q.device)
         mod.weight.copy_(qw.q)
         mod.weight_scale.copy_(qw.scale.reshape(mod.weight_scale.shape))
+        if mod.input_scale is not None:
+            mod.input_scale.copy_(qw.input_scale.reshape(1))
         if bias is not None:
             mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         return mod
@@ -92,7 +96,8 @@ class IntActLinear(DenseCopy, nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.scheme.input_activations.type == "int":
-            xq, xs = int8_quantize_per_token(x2)
+            xq, xs = int8_quantize_per_token(x2) if self.input_scale is None else \
+                int8_quantize_static(x2, self.input_scale)
             if self._choose(x.device) == "int8-gemm":
                 # the codes as stored ([out, in]) seen transposed: oneDNN's int8 GEMM reads that layout as is
                 # (SmolLM2's 1536 x 576 at one token: 13 us; a contiguous [in, out] copy: 246 us)

@@ -18,7 +18,8 @@ from quantkit.core.validation import StrictModel
 class ActivationScheme(StrictModel):
     """Input-activation quantization of a linear (compressed-tensors' `input_activations`): FP8 e4m3
     (type float) or symmetric int8 (type int: s = absmax / 127, codes rounded half to even and saturated
-    to [-128, 127], as vLLM's int8 kernels quantize) per token or tensor; or microscaled floats per group
+    to [-128, 127], as vLLM's int8 kernels quantize) per token (dynamic) or tensor (one static scale from
+    calibration); or microscaled floats per group
     of the hidden dimension (`quant.microscale`): NVFP4's (strategy tensor_group, group 16, dynamic
     "local": group scales at run time under a calibrated global scale) and MX's (strategy group, group 32,
     dynamic)."""
@@ -39,9 +40,8 @@ class ActivationScheme(StrictModel):
             return self._check_micro()
         if self.num_bits != 8 or self.group_size is not None:
             raise ValueError(f"{self.strategy} activations take 8 bits and no group_size")
-        if self.type == "int" and self.strategy != "token":
-            raise ValueError("int8 activations are dynamic per token here (strategy token); static per-tensor "
-                             "int8 activation scales are not supported yet")
+        if self.type == "int" and self.strategy == "tensor" and self.observer != "minmax":
+            raise ValueError("static int8 activation scales take observer minmax (absmax / 127)")
         implied = self.strategy == "token"
         if self.dynamic is None:
             object.__setattr__(self, "dynamic", implied)
@@ -178,7 +178,7 @@ class QuantScheme(StrictModel):
                              "(presets W8A8, W4AFP8)")
         if acts.type == "int" and self.num_bits != 8:
             raise ValueError(f"int8 activations take int8 weights (W8A8), not {self.num_bits}-bit ones")
-        if acts.type == "float" and (self.num_bits != 4 or self.strategy != "group" or not acts.dynamic):
+        if acts.type == "float" and (self.num_bits != 4 or self.strategy != "group" or acts.dynamic is not True):
             raise ValueError("FP8 activations with int weights are W4AFP8: 4-bit grouped weights, dynamic "
                              "per-token activations")
 
@@ -253,7 +253,8 @@ class QuantScheme(StrictModel):
             return f"ggml {self.grid}"
         gran = "channel" if self.strategy == "channel" else f"g{self.group_size}"
         act = self.input_activations
-        acts = "" if act is None else f" a8 {'int8' if act.type == 'int' else 'fp8'} dynamic per-token"
+        acts = "" if act is None else \
+            f" a8 {'int8' if act.type == 'int' else 'fp8'} {'dynamic per-token' if act.dynamic else 'static per-tensor'}"
         return f"int{self.num_bits} {'sym' if self.symmetric else 'asym'} {gran}{order}{acts}"
 
 

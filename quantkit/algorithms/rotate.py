@@ -1,0 +1,127 @@
+"""Rotations of the residual stream and of the attention heads, fused into the weights (QuaRot / SpinQuant's
+R1 and R2 with fixed random-Hadamard matrices): a transform stage for the schemes that quantize activations
+to 4 bits (NVFP4, MXFP4), where a few outlier channels otherwise take the whole grid.
+
+Before the first layer (`transform_model`): the final norm's weight is folded into lm_head, which then reads
+the rotated stream (lm_head W diag(w) Q; a tied lm_head is untied, as it no longer equals the embedding), and
+the embedding rows are rotated (E Q). Per decoder layer (`transform_layer`): each RMSNorm's weight is folded
+into the linears that read it (norms become plain x / rms(x), which commutes with an orthogonal Q); q/k/v and
+gate/up read h Q (W Q); o_proj and down_proj write into the rotated stream (Q^T W); with `heads`, each value
+head is rotated by R (v_proj R^T W per head) and o_proj's columns undo it per head (W R). The model's function is
+unchanged up to float rounding (tested); no online rotation is added, so the checkpoint is an ordinary one
+that every loader runs. The maths is in `quantkit.quant.rotation`.
+
+Architectures: the Llama family with plain RMSNorms (llama, mistral, qwen2, qwen3). Gemma's norms on the
+attention and MLP outputs do not commute with a rotation of the stream; MoE routers are not handled: both
+are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from pydantic import Field, field_validator
+from torch import nn
+
+from quantkit.algorithms.base import Algorithm, AlgorithmConfig, LayerContext
+from quantkit.core.registry import ALGORITHMS
+from quantkit.errors import QuantizationError
+from quantkit.quant import rotation
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+ROW_CHUNK = 8192  # embedding / lm_head rows rotated at a time (float64 temporaries of ROW_CHUNK x hidden)
+
+
+class RotateConfig(AlgorithmConfig):
+    seed: int = Field(0, ge=0)  # the rotations' random signs (and orthogonal factor where hidden is not 2^k)
+    heads: bool = True  # also rotate each value head (v_proj / o_proj)
+    # null: one rotation of the whole hidden size; a power of two: Hadamard blocks of that many channels (rotations
+    # kept inside quantization groups, e.g. 32 for MX formats)
+    block_size: Optional[int] = Field(None, ge=2)
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v):
+        if v is not None and v & (v - 1):
+            raise ValueError(f"block_size must be a power of two, got {v}")
+        return v
+
+
+@ALGORITHMS.register("rotate")
+class Rotate(Algorithm):
+    name = "rotate"
+    Config = RotateConfig
+    kind = "transform"
+    needs_calibration = False
+    any_grid = True  # a rotation prepares weights for every grid (it models none)
+    rewrites_outside = True  # the embeddings and lm_head read / write the rotated stream
+    config: RotateConfig
+
+    def _rotations(self, config) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, block, seed = config.hidden_size, self.config.block_size, self.config.seed
+        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        if block is not None and (hidden % block or head_dim % min(block, head_dim)):
+            raise QuantizationError(f"rotate: block_size {block} does not divide the hidden size {hidden} (and the "
+                                    f"head size {head_dim}); use a power of two that does, or null")
+        if block is None:
+            return rotation.random_hadamard(hidden, seed), rotation.random_hadamard(head_dim, seed + 1)
+        return (rotation.block_hadamard(hidden, block, seed),
+                rotation.block_hadamard(head_dim, min(block, head_dim), seed + 1))
+
+    @torch.no_grad()
+    def transform_model(self, model: nn.Module, adapter) -> None:
+        model_type = model.config.model_type
+        if model_type not in SUPPORTED or adapter.norm_weight_offset != 0.0:
+            raise QuantizationError(f"the rotate stage supports {', '.join(SUPPORTED)} (plain RMSNorms, no MoE "
+                                    f"router); {model_type!r} is not supported: drop the rotate stage")
+        q, _ = self._rotations(model.config)
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        norm = model.model.norm
+        new_head = _rows(head.weight.data, lambda w: rotation.rotate_input(
+            rotation.fold_scale_into_inputs(w, norm.weight.data), q))
+        new_embed = _rows(embed.weight.data, lambda w: rotation.rotate_input(w, q))
+        head.weight = nn.Parameter(new_head, requires_grad=False)  # its own tensor: untied from the embedding
+        embed.weight = nn.Parameter(new_embed, requires_grad=False)
+        norm.weight.data.fill_(1.0)
+        model.config.tie_word_embeddings = False
+
+    @torch.no_grad()
+    def transform_layer(self, ctx: LayerContext) -> None:
+        layer = ctx.layer
+        config = _config_of(ctx)
+        q, r = self._rotations(config)
+        attn, mlp = layer.self_attn, layer.mlp
+        for norm, readers in ((layer.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                              (layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))):
+            for lin in readers:
+                lin.weight.data = rotation.rotate_input(rotation.fold_scale_into_inputs(lin.weight.data,
+                                                                                        norm.weight.data), q)
+            norm.weight.data.fill_(1.0)
+        for lin in (attn.o_proj, mlp.down_proj):
+            lin.weight.data = rotation.rotate_output(lin.weight.data, q)
+            if lin.bias is not None:
+                lin.bias.data = rotation.rotate_vector(lin.bias.data, q)
+        if self.config.heads:
+            head_dim = r.shape[0]
+            kv = rotation.per_head(r, attn.v_proj.out_features // head_dim)
+            attn.v_proj.weight.data = rotation.rotate_output(attn.v_proj.weight.data, kv)
+            if attn.v_proj.bias is not None:
+                attn.v_proj.bias.data = rotation.rotate_vector(attn.v_proj.bias.data, kv)
+            attn.o_proj.weight.data = rotation.rotate_input(attn.o_proj.weight.data,
+                                                            rotation.per_head(r, attn.o_proj.in_features // head_dim))
+        for name in ctx.linears:
+            self.report[name] = {"rotated": "hadamard" + (" + heads" if self.config.heads else "")}
+
+
+def _config_of(ctx: LayerContext):
+    config = getattr(ctx.layer.self_attn, "config", None)
+    if config is None:
+        raise QuantizationError(f"{ctx.prefix}: the attention module has no config; the rotate stage cannot tell "
+                                "its head size")
+    return config
+
+
+def _rows(w: torch.Tensor, fn) -> torch.Tensor:
+    """fn applied to w a block of rows at a time (bounded float64 temporaries for a large vocabulary)."""
+    return torch.cat([fn(w[i : i + ROW_CHUNK]) for i in range(0, w.shape[0], ROW_CHUNK)])
