@@ -87,7 +87,7 @@ def test_gemma_is_refused(tiny_models):
     with pytest.raises(QuantizationError, match="'gemma3_text' is not supported: drop the rotate stage"):
         _rotated(tiny_models["gemma3_text"])
     with pytest.raises(RecipeError, match="power of two"):
-        load_recipe("quarot-nvfp4", ["stages.0.args.block_size=48"])
+        load_recipe("rotated-mxfp4", ["stages.0.args.block_size=48"])
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def rotated_checkpoints(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("rotated")
     sets = ["stages.1.scheme=W8A16", "calibration.num_samples=4", "calibration.seq_len=32",
             "calibration.check_samples=0"]
-    return {mode: quantize(str(tiny_models["llama"]), load_recipe("quarot-nvfp4", sets), root / mode, progress=False,
+    return {mode: quantize(str(tiny_models["llama"]), load_recipe("rotated-mxfp4", sets), root / mode, progress=False,
                            load_mode=mode).output for mode in ("layers", "whole")}
 
 

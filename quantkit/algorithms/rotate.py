@@ -1,6 +1,8 @@
 """Rotations of the residual stream and of the attention heads, fused into the weights (QuaRot / SpinQuant's
 R1 and R2 with fixed random-Hadamard matrices): a transform stage for the schemes that quantize activations
-to 4 bits (NVFP4, MXFP4), where a few outlier channels otherwise take the whole grid.
+to 4 bits, where a few outlier channels otherwise take the whole grid. With `block_size` the rotations stay
+inside blocks of that many channels (32: one MX group), which is what helped on SmolLM2 (recipe rotated-mxfp4);
+whole-size rotations, and any rotation before NVFP4, made it worse there (bench/RESULTS.md).
 
 Before the first layer (`transform_model`): the final norm's weight is folded into lm_head, which then reads
 the rotated stream (lm_head W diag(w) Q; a tied lm_head is untied, as it no longer equals the embedding), and
