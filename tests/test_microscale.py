@@ -370,3 +370,32 @@ def test_forced_kernel_is_refused():
     mod.kernel_request = "cpu"
     with pytest.raises(Exception, match="run by emulation"):
         mod(torch.randn(2, 32))
+
+
+@pytest.mark.parametrize("preset", ["NVFP4A16", "MXFP4A16"])
+def test_searched_scales_never_lose_to_the_nearest_rule(preset):
+    """Each group's searched scale is a neighbour of the rule's on the scale grid, and its importance-weighted
+    error is at most the rule's (the rule's scale is a candidate); somewhere it is strictly lower."""
+    sc = resolve_scheme(preset, {})
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(32, 128, generator=g) * 0.05
+    imp = torch.rand(128, generator=g) * 4
+    near, found = microscale.quantize_weight(w, sc), microscale.searched_scales(w, sc, imp)
+
+    def err(qw):
+        d = (qw.dequantize() - w).square() * imp
+        return microscale.grouped(d, sc.group_size).sum(-1)
+
+    assert (err(found) <= err(near) + 1e-12).all() and (err(found) < err(near)).any()
+    steps = (found.scale.view(torch.uint8).int() - near.scale.view(torch.uint8).int())
+    assert steps.min() >= -2 and steps.max() <= 1
+    if preset == "NVFP4A16":
+        assert torch.equal(found.global_scale, near.global_scale)
+
+
+def test_gptq_scale_search_is_accepted_for_microscaled_schemes():
+    from quantkit.algorithms.gptq import GPTQ, GPTQConfig
+
+    GPTQ(GPTQConfig(scale_search=True), resolve_scheme("NVFP4", {}))
+    with pytest.raises(Exception, match="NVFP4 / MX formats"):
+        GPTQ(GPTQConfig(scale_search=True), resolve_scheme("W4A16", {}))

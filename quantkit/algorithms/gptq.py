@@ -82,8 +82,10 @@ class GPTQ(Algorithm):
 
     def __init__(self, config: GPTQConfig, scheme):
         super().__init__(config, scheme)
-        if config.scale_search and getattr(scheme, "grid", None) not in ("q4_0", "q8_0", "q4_k_m") and not ggml.is_block_grid(scheme):
-            raise RecipeError("gptq: scale_search is for GGUF's Q4_0, Q8_0, Q5_0, Q4_K, Q6_K grids (scheme: Q4_0, Q8_0, Q4_K_M, ...)")
+        if config.scale_search and getattr(scheme, "grid", None) not in ("q4_0", "q8_0", "q4_k_m") and \
+                not ggml.is_block_grid(scheme) and not scheme.is_micro:
+            raise RecipeError("gptq: scale_search is for GGUF's Q4_0, Q8_0, Q5_0, Q4_K, Q6_K grids (scheme: Q4_0, Q8_0, "
+                              "Q4_K_M, ...) and the NVFP4 / MX formats")
         self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed) \
             if scheme.is_fp8 or scheme.needs_input_global or scheme.has_static_input else None
 
@@ -138,6 +140,7 @@ class GPTQ(Algorithm):
         else:
             nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
         H = acc.take_hessian()  # the accumulator gives it up: this frame holds the only reference
+        begin = self._start(group, linears, nearest, H)
         limit = self.config.park_hessian_bytes
         if limit is not None and H.numel() * H.element_size() >= limit:
             try:
@@ -149,13 +152,13 @@ class GPTQ(Algorithm):
                     "memory with --set stages.N.args.park_hessian_bytes=null") from exc
             del H  # its memory is free while the solver's copy is made and factorized
             qw, solve, error = self._solve(", ".join(group), [linears[n].weight.data for n in group], parked,
-                                           scale_dtype, nearest)
+                                           scale_dtype, begin)
             H = parked.load()  # back for the report, once the solver's copy and working weights are gone
             parked.close()
             log.debug("GPTQ %s: its %.2f GB Hessian waited on disk during the solve", group[0], parked.nbytes / 1e9)
         else:
             qw, solve, error = self._solve(", ".join(group), [linears[n].weight.data for n in group], H, scale_dtype,
-                                           nearest)
+                                           begin)
         result, report, start = {}, {}, 0
         for name in group:
             rows = slice(start, start + linears[name].out_features)
@@ -198,6 +201,15 @@ class GPTQ(Algorithm):
             out.update({n: _to_device(q, device) for n, q in result.items()})
             self.report.update(report)
         return out
+
+    def _start(self, group: list[str], linears: dict[str, nn.Linear], nearest: dict, H: torch.Tensor) -> dict:
+        """The weights whose scales the FP8 / NVFP4 / MX solve keeps: the nearest rounding's, or for NVFP4 / MX with
+        scale_search each group's scale searched against diag(H) (`microscale.searched_scales`)."""
+        if not (self.scheme.is_micro and self.config.scale_search):
+            return nearest
+        diag = torch.diagonal(H).float()
+        return {n: microscale.searched_scales(linears[n].weight.data, self.scheme, diag, qw.global_scale)
+                for n, qw in nearest.items()}
 
     def _nearest(self, W: torch.Tensor, scale_dtype: torch.dtype) -> "QuantizedWeight | Fp8Weight | ggml.GGMLWeight":
         """Round-to-nearest on the scheme's grid: the fallback, and the baseline of the error report."""

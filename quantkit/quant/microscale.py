@@ -136,6 +136,40 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme, global_scale: Optional
     return MicroWeight(quantize_on(w, scale, g, scheme), scale, g, scheme)
 
 
+SCALE_STEPS = (-2, -1, 0, 1)  # candidate scales: the nearest rule's and its neighbours on the scale grid
+
+
+def searched_scales(w: torch.Tensor, scheme: QuantScheme, importance: torch.Tensor,
+                    global_scale: Optional[torch.Tensor] = None) -> MicroWeight:
+    """Like `quantize_weight`, but each group's scale is the one among the nearest rule's and its neighbours on
+    the scale grid (e4m3 values for NVFP4, powers of two for MX: SCALE_STEPS) whose nearest rounding has the
+    smallest importance-weighted squared error, importance [in] weighing each column (GPTQ: diag(H)). A
+    smaller scale clips a group's largest values and refines the rest; a larger one never clips."""
+    base, g = scales_for(w, scheme, global_scale)
+    wg = grouped(w.float(), scheme.group_size)
+    imp = grouped(importance.float().reshape(1, -1), scheme.group_size)
+    best_err, best = None, base
+    for k in SCALE_STEPS:
+        cand = _neighbour(base, k, scheme)
+        steps = effective_scales(cand, g, scheme).unsqueeze(-1)
+        err = ((round_elements(wg / steps, scheme.num_bits) * steps - wg).square() * imp).sum(-1)
+        if best_err is None:
+            best_err, best = err, cand
+        else:
+            better = err < best_err
+            best_err, best = torch.where(better, err, best_err), torch.where(better, cand, best)
+    return MicroWeight(quantize_on(w, best, g, scheme), best, g, scheme)
+
+
+def _neighbour(scale: torch.Tensor, k: int, scheme: QuantScheme) -> torch.Tensor:
+    """The scale k steps away on its own grid: e4m3 bit patterns of positive values are ordered (1..126: the
+    smallest subnormal to 448), e8m0 bytes are exponents (0..254)."""
+    if scheme.strategy == "tensor_group":
+        bits = scale.view(torch.uint8).to(torch.int16) + k
+        return bits.clamp(1, 126).to(torch.uint8).view(FP8_DTYPE)
+    return (scale.to(torch.int16) + k).clamp(0, 254).to(torch.uint8)
+
+
 def shared_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
     """One NVFP4 global scale for linears that read the same input (q/k/v, gate/up): that of their joint
     amax. vLLM fuses such linears and applies one global scale to the fused weight (llm-compressor makes
