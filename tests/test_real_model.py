@@ -147,20 +147,18 @@ def test_smollm2_w8a8_end_to_end(smollm2, emma_ppl, tmp_path):
 
 
 def test_smollm2_nvfp4_end_to_end(smollm2, emma_ppl, tmp_path):
-    """NVFP4 on the real model: weight-only NVFP4 (round to nearest) costs a little perplexity; GPTQ onto the same
-    grid (small calibration, to keep CI short) costs less; NVFP4 activations on top cost more. Exported,
-    reloaded, scored, generated from."""
+    """NVFP4 on the real model: weight-only NVFP4 (round to nearest) costs some perplexity; GPTQ onto the same grid
+    (small calibration, to keep CI short) costs less. Exported, reloaded, scored, generated from. (NVFP4 activations
+    are checked against transformers on the tiny models, `tests/test_microscale.py`.)"""
     original = emma_ppl(smollm2, 2)
     calib = ["calibration.num_samples=8", "calibration.seq_len=256", "calibration.check_samples=0"]
     rtn = quantize("smollm2-135m", load_recipe("nvfp4a16"), tmp_path / "rtn", progress=False)
     gptq = quantize("smollm2-135m", load_recipe("nvfp4", [*calib, "stages.0.scheme=NVFP4A16"]), tmp_path / "gptq",
                     progress=False)
-    w4a4 = quantize("smollm2-135m", load_recipe("nvfp4", calib), tmp_path / "w4a4", progress=False)
-    ppl = {name: emma_ppl(r.output, 2) for name, r in (("rtn", rtn), ("gptq", gptq), ("w4a4", w4a4))}
+    ppl = {name: emma_ppl(r.output, 2) for name, r in (("rtn", rtn), ("gptq", gptq))}
     print(f"emma 2 x 512 perplexity: original {original:.3f}, " + ", ".join(f"{k} {v:.3f}" for k, v in ppl.items()))
     assert original < ppl["gptq"] < ppl["rtn"] < 1.3 * original
-    assert ppl["gptq"] < ppl["w4a4"] < 1.5 * original
-    model = quantkit.load(w4a4.output, dtype=torch.float32)
-    tokenizer = quantkit.load_tokenizer(w4a4.output)
+    model = quantkit.load(gptq.output, dtype=torch.float32)
+    tokenizer = quantkit.load_tokenizer(gptq.output)
     out = generate(model, tokenizer, tokenizer("The capital of France is")["input_ids"], SamplingParams(max_new_tokens=8))
     assert len(out.token_ids) > 0 and out.text.strip()
