@@ -9,6 +9,8 @@ layout is the `fp8` stage's; a static activation scale comes from the same calib
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import tempfile
 from typing import Optional
@@ -235,14 +237,14 @@ class GPTQ(Algorithm):
                     res = gptq_quantize_fp8(torch.cat(weights), H, scale, cfg.block_size, damp, actorder,
                                             overwrite=True, columns_per_scale=self.scheme.group_size,
                                             element_bits=self.scheme.num_bits)
-                    weight = _micro_rows(res.weight, nearest)
+                    weight = _split_rows(res.weight, nearest)
                 elif self.scheme.is_fp8:
                     scales = [column_scales(qw) for qw in nearest.values()]  # one scheme: one width for all
                     scale, width = torch.cat([s for s, _ in scales]), scales[0][1]
                     # [sum(out), in], the solver's working copy (overwrite): held by the solver only, which frees it
                     res = gptq_quantize_fp8(torch.cat(weights), H, scale, cfg.block_size, damp, actorder,
                                             overwrite=True, columns_per_scale=width)
-                    weight = _fp8_rows(res.weight, nearest)
+                    weight = _split_rows(res.weight, nearest)
                 elif ggml.is_block_grid(self.scheme):
                     res = gptq_quantize_ggml(weights, H, self.scheme, cfg.block_size, damp,
                                              scale_search=cfg.scale_search)
@@ -289,22 +291,13 @@ class GPTQ(Algorithm):
         return {"hessian_error": gptq_err, "hessian_error_vs_rtn": ratio, **solve}, rtn_err
 
 
-def _fp8_rows(codes: torch.Tensor, nearest: dict[str, Fp8Weight]) -> dict[str, Fp8Weight]:
-    """Split stacked e4m3 codes back into each linear's weight, with that linear's own scales."""
+def _split_rows(codes: torch.Tensor, nearest: dict[str, "Fp8Weight | MicroWeight"]) -> dict:
+    """Split stacked solved codes (e4m3 bytes: FP8 codes, or NVFP4 / MX elements) back into each linear's weight,
+    with that linear's own scales (everything but the codes taken from its nearest rounding)."""
     out, start = {}, 0
     for name, qw in nearest.items():
         rows = qw.q.shape[0]
-        out[name] = Fp8Weight(codes[start : start + rows].contiguous(), qw.scale, qw.strategy, qw.block, qw.scheme)
-        start += rows
-    return out
-
-
-def _micro_rows(elements: torch.Tensor, nearest: dict[str, MicroWeight]) -> dict[str, MicroWeight]:
-    """Split stacked NVFP4 / MX elements back into each linear's weight, with that linear's own scales."""
-    out, start = {}, 0
-    for name, qw in nearest.items():
-        rows = qw.q.shape[0]
-        out[name] = MicroWeight(elements[start : start + rows].contiguous(), qw.scale, qw.global_scale, qw.scheme)
+        out[name] = dataclasses.replace(qw, q=codes[start : start + rows].contiguous())
         start += rows
     return out
 
