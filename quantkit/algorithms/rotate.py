@@ -61,8 +61,16 @@ class Rotate(Algorithm):
     config: RotateConfig
 
     def _rotations(self, config) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, block, seed = config.hidden_size, self.config.block_size, self.config.seed
+        """(Q over the hidden size, R over a head), built once per stage (every layer uses the same pair)."""
+        hidden = config.hidden_size
         head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        cache = self.__dict__.setdefault("_built", {})
+        if (hidden, head_dim) not in cache:
+            cache[(hidden, head_dim)] = self._build(hidden, head_dim)
+        return cache[(hidden, head_dim)]
+
+    def _build(self, hidden: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        block, seed = self.config.block_size, self.config.seed
         if block is not None and (hidden % block or head_dim % min(block, head_dim)):
             raise QuantizationError(f"rotate: block_size {block} does not divide the hidden size {hidden} (and the "
                                     f"head size {head_dim}); use a power of two that does, or null")
