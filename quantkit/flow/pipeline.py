@@ -254,22 +254,7 @@ def quantize_model(
                initial=start_layer, total=len(layers))
     result.on_phase = lambda name: bar.set_postfix_str(name, refresh=True)
     for li in bar:
-        if store is not None:
-            with result.phase("load layer"):
-                store.load_layer(li, layers[li])
-        home = _device_of(layers[li])  # where the layer lives in the model (a GPU, for a model that sits on one)
-        if home != device:
-            with result.phase("load layer"):
-                layers[li].to(device)
-        packed, following = _quantize_layer(model, layers, li, stages, adapter, inputs, scale_dtype, result, notes)
-        _advance(layers, li, inputs, following, result)
-        for name, module in packed.items():
-            model.set_submodule(name, module)
-        if store is not None:
-            with result.phase("write layer"):
-                store.finish_layer(li, layers[li])
-        elif home != device:
-            layers[li].to(home)  # the quantized layer rejoins the model where the model is
+        _layer_turn(model, layers, li, stages, adapter, inputs, scale_dtype, result, notes, store, device)
         if on_layer_done is not None:
             on_layer_done(li, inputs if li < len(layers) - 1 else None, result)
         release_free_memory()
@@ -277,6 +262,28 @@ def quantize_model(
     bar.close()
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _layer_turn(model, layers, li: int, stages, adapter, inputs: Optional[LayerInputs], scale_dtype,
+                result: QuantizationResult, notes: dict, store: Optional[LayerStore], device: torch.device) -> None:
+    """Layer `li`'s turn: loaded (from the store, onto the compute device), every stage run, the next layer's inputs
+    made, the packed modules swapped in, and the layer handed back (to the store, or to where it lives)."""
+    if store is not None:
+        with result.phase("load layer"):
+            store.load_layer(li, layers[li])
+    home = _device_of(layers[li])  # where the layer lives in the model (a GPU, for a model that sits on one)
+    if home != device:
+        with result.phase("load layer"):
+            layers[li].to(device)
+    packed, following = _quantize_layer(model, layers, li, stages, adapter, inputs, scale_dtype, result, notes)
+    _advance(layers, li, inputs, following, result)
+    for name, module in packed.items():
+        model.set_submodule(name, module)
+    if store is not None:
+        with result.phase("write layer"):
+            store.finish_layer(li, layers[li])
+    elif home != device:
+        layers[li].to(home)  # the quantized layer rejoins the model where the model is
 
 
 def rewrites_outside(stages: list[Stage]) -> bool:
