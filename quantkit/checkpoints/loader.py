@@ -25,6 +25,7 @@ from quantkit.arch.moe import unfuse_experts
 from quantkit.errors import CheckpointError
 from quantkit.checkpoints.finite import find_nonfinite
 from quantkit.formats.checkpoint import IGNORED_EXTRA_KEYS, checkpoint_dtype, iter_tensors, read_config
+from quantkit.checkpoints import foreign as foreign_ckpt
 from quantkit.checkpoints.quantization_config import QuantizedLayout, parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.checkpoints.resolve import resolve_model
@@ -65,7 +66,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     if workload not in compute.WORKLOADS:
         raise ValueError(f"workload {workload!r}: use one of {', '.join(compute.WORKLOADS)}")
     where = devices.resolve(device, "device")
-    path, plan, stored, config = _describe(path)
+    path, plan, stored, config, foreign = _describe(path)
     # (offloaded to disk, only one layer is ever in memory: float32 then always fits)
     fits = (lambda: True) if offload_mod.mode_of(offload) == "disk" else (lambda: _fits_in_float32(path))
     kinds = (lambda: _layer_kinds(config, plan, stored)) if workload == "decode" else None
@@ -74,7 +75,7 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     model, adapter, quantized = _skeleton(path, config, plan, choice.dtype)
     # decode reads every weight once per token: from the process's own memory (`_assign_tensors`), not the file's
     offloading = _fill(model, path, adapter, quantized, choice, stored, offload, where,
-                       own=workload == "decode" and where.device.type == "cpu", finite=finite)
+                       own=workload == "decode" and where.device.type == "cpu", finite=finite, foreign=foreign)
     model.eval()
     model.requires_grad_(False)  # an inference model: no autograd bookkeeping, and the decode step may fuse weights
     if decode is not None:
@@ -93,24 +94,28 @@ def load(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = No
     return model
 
 
-def _describe(path: Union[str, Path, None]) -> tuple[Path, Optional[QuantizedLayout], torch.dtype, object]:
-    """A checkpoint's resolved path, quantization plan (None: not quantized), stored dtype and transformers
-    config (without its quantization_config: quantkit builds quantized modules itself)."""
+def _describe(path: Union[str, Path, None]):
+    """A checkpoint's resolved path, quantization plan (None: not quantized), stored dtype, transformers
+    config (without its quantization_config: quantkit builds quantized modules itself) and, for a GPTQ or AWQ
+    checkpoint, its translation into compressed-tensors (`checkpoints.foreign`; None otherwise)."""
     path = resolve_model(None if path is None else str(path))
     raw = read_config(path)
     qc = raw.get("quantization_config")
+    foreign = foreign_ckpt.scan(path, qc) if foreign_ckpt.method_of(qc) else None
+    if foreign is not None:
+        qc = foreign.compressed_tensors_config()
     plan = parse_quantization_config(qc, f"{path}/config.json") if qc else None
     config = model_config(path, raw)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    return path, plan, checkpoint_dtype(raw), config
+    return path, plan, checkpoint_dtype(raw), config, foreign
 
 
 def decode_plan_for(path: Union[str, Path, None], dtype: Union[torch.dtype, str, None] = None,
                     remeasure: bool = False) -> tuple[compute.ComputeChoice, decode_plan.DecodePlan]:
     """What `load(path, dtype, workload="decode")` would choose on this CPU, from the config alone
     (nothing loaded): the compute choice and the decode plan (`remeasure`: time every figure again)."""
-    path, plan, stored, config = _describe(path)
+    path, plan, stored, config, _ = _describe(path)
     return compute_choice(dtype, stored, torch.device("cpu"), "decode", lambda: _fits_in_float32(path),
                           lambda: _layer_kinds(config, plan, stored), remeasure)
 
@@ -132,10 +137,10 @@ def _skeleton(path: Path, config, plan: Optional[QuantizedLayout], dtype: torch.
 
 def _fill(model: nn.Module, path: Path, adapter, quantized: set[str], choice: compute.ComputeChoice,
           stored: torch.dtype, offload: Optional[str], where: devices.DeviceChoice,
-          own: bool = False, finite: bool = True) -> offload_mod.OffloadChoice:
+          own: bool = False, finite: bool = True, foreign=None) -> offload_mod.OffloadChoice:
     """Assign the checkpoint's tensors to the skeleton (the decoder layers left on disk when offloading)
-    and move it to its device (`own`: in-memory tensors copied out of the mapped file). Returns the offload
-    choice."""
+    and move it to its device (`own`: in-memory tensors copied out of the mapped file; `foreign`: a GPTQ / AWQ
+    checkpoint's translated tensors instead of the files'). Returns the offload choice."""
     dtype = choice.dtype
     to_module = adapter.to_module_name if adapter else (lambda name: name)
     ckpt = LazyCheckpoint(path, to_module)
@@ -146,6 +151,10 @@ def _fill(model: nn.Module, path: Path, adapter, quantized: set[str], choice: co
         half = ([f"--dtype {str(stored).removeprefix('torch.')} keeps its weights as stored, in half the memory"]
                 if dtype == torch.float32 and stored.itemsize == 2 else [])
         raise offload_mod.DoesNotFitError(f"{path} ({choice.describe()}): {exc.what}", exc.fixes + half) from None
+    if offloading.offloaded and foreign is not None:
+        raise offload_mod.OffloadError(f"{path}: --offload disk reads compressed-tensors checkpoints; convert this "
+                                       f"{foreign.config.method.upper()} one first: quantkit convert "
+                                       f"{foreign.config.method} {path} -o DIR")
     if offloading.offloaded:
         if adapter is None:
             raise offload_mod.OffloadError(f"{path}: --offload disk needs an architecture quantkit knows "
@@ -158,7 +167,8 @@ def _fill(model: nn.Module, path: Path, adapter, quantized: set[str], choice: co
         _assign_tensors(model, path, quantized, dtype, to_module, resident, elsewhere=skip, own=own, finite=finite)
         model.quantkit_offloader = offloader
     else:
-        _assign_tensors(model, path, quantized, dtype, to_module, own=own, finite=finite)
+        _assign_tensors(model, path, quantized, dtype, to_module, foreign.tensors() if foreign else None, own=own,
+                        finite=finite)
     if where.is_accelerator:
         offload_mod.move_resident(model, where.device)  # offloaded slots stay on meta until their layer runs
     return offloading

@@ -1,4 +1,4 @@
-"""`quantkit convert`: turn other model formats into Hugging Face safetensors checkpoints."""
+"""`quantkit convert`: turn other model formats (GGUF, GPTQ, AWQ) into Hugging Face safetensors checkpoints."""
 
 from __future__ import annotations
 
@@ -34,3 +34,26 @@ def gguf(file, output, dtype, dequantize, overwrite):
 
     convert_gguf(file, output, getattr(torch, dtype), overwrite, keep=not dequantize, notify=click.echo)
     click.echo(f"Wrote {output}")
+
+
+def _foreign_command(method: str, label: str):
+    @command.command(method)
+    @click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
+    @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output directory.")
+    @click.option("--overwrite", is_flag=True, help="Replace an existing output directory (an earlier quantkit output).")
+    def run(checkpoint, output, overwrite):
+        from quantkit.checkpoints.foreign_io import convert_foreign
+
+        convert_foreign(checkpoint, output, method, overwrite, notify=click.echo)
+        click.echo(f"Wrote {output}")
+
+    run.__doc__ = (f"Convert the {label} checkpoint CHECKPOINT to compressed-tensors, without requantizing.\n\n"
+                   "The packed codes, scales and zero points are carried over: the dequantized weights are identical, "
+                   "and vLLM, transformers and quantkit load the result. Act-order GPTQ (a non-contiguous g_idx) "
+                   "has no compressed-tensors layout: quantkit loads it as it is instead.\n\n"
+                   f"\b\nExample:\n  quantkit convert {method} ./model-{method} -o ./model-ct")
+    return run
+
+
+gptq = _foreign_command("gptq", "GPTQ (AutoGPTQ / GPTQModel, v1 or v2)")
+awq = _foreign_command("awq", "AWQ (AutoAWQ GEMM)")

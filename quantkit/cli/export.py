@@ -1,4 +1,4 @@
-"""`quantkit export`: write a checkpoint in another runtime's format (GGUF for llama.cpp)."""
+"""`quantkit export`: write a checkpoint in another runtime's format (GGUF for llama.cpp, GPTQ, AWQ)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,45 @@ def gguf(checkpoint, output, file_type, tokenizer_pre, overwrite):
     from quantkit.checkpoints.to_gguf import export_gguf
 
     export_gguf(checkpoint, output, file_type, overwrite, tokenizer_pre, notify=click.echo)
+
+
+@command.command("gptq")
+@click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--checkpoint-format", "fmt", type=click.Choice(["gptq", "gptq_v2"]), default="gptq", show_default=True,
+              help="gptq: AutoGPTQ's v1 (stores zero - 1; cannot hold a zero point of 0); gptq_v2: GPTQModel's.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory (an earlier quantkit output).")
+def gptq(checkpoint, output, fmt, overwrite):
+    """Write the int-quantized compressed-tensors CHECKPOINT as a GPTQ checkpoint (qweight, qzeros, scales, g_idx).
+
+    Codes and scales are carried over unchanged; a grid the layout cannot hold is refused, naming the linear.
+
+    \b
+    Example:
+      quantkit quantize smollm2-135m --recipe gptq-w4a16 -o ./smollm2-gptq
+      quantkit export gptq ./smollm2-gptq -o ./smollm2-gptq-autogptq
+    """
+    from quantkit.checkpoints.foreign_io import export_foreign
+
+    export_foreign(checkpoint, output, "gptq", 1 if fmt == "gptq" else 2, overwrite, notify=click.echo)
+    click.echo(f"Wrote {output}")
+
+
+@command.command("awq")
+@click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory (an earlier quantkit output).")
+def awq(checkpoint, output, overwrite):
+    """Write the 4-bit int compressed-tensors CHECKPOINT as an AWQ GEMM checkpoint (qweight, qzeros, scales).
+
+    Codes and scales are carried over unchanged; other bit widths and act-order groups are refused.
+
+    \b
+    Example:
+      quantkit quantize smollm2-135m --recipe awq-w4a16 -o ./smollm2-awq
+      quantkit export awq ./smollm2-awq -o ./smollm2-autoawq
+    """
+    from quantkit.checkpoints.foreign_io import export_foreign
+
+    export_foreign(checkpoint, output, "awq", overwrite=overwrite, notify=click.echo)
+    click.echo(f"Wrote {output}")

@@ -260,6 +260,10 @@ def _resolve_stage(label: str, i: int, stage: StageSpec, address: str, explicit:
         except (ValidationError, ValueError, QuantkitError) as exc:
             msg = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
             raise RecipeError(f"recipe {label}: stages.{i}.scheme: {msg}") from None
+        if scheme.actorder == "group":
+            raise RecipeError(f"recipe {label}: stages.{i}.scheme.actorder: 'group' (a g_idx per column) is how "
+                              "act-order checkpoints are read; quantize with actorder: static (the same order, "
+                              "groups kept contiguous)")
         if scheme.actorder and not algo.supports_actorder:
             raise RecipeError(f"recipe {label}: stages.{i}.scheme.actorder: algorithm {stage.algorithm!r} "
                               "has no column order; drop actorder or use gptq")

@@ -51,8 +51,6 @@ class PackQuantized(QuantFormat):
         where = f"config_groups.{group}.weights"
         if weights.get("type", "int") != "int":
             raise CheckpointError(f"{where}: pack-quantized with type {weights.get('type')!r} is not supported")
-        if weights.get("actorder") == "group":
-            raise CheckpointError(f"{where}: actorder 'group' (weight_g_idx) is not supported yet")
         if weights.get("dynamic"):
             raise CheckpointError(f"{where}: dynamic weight quantization is not meaningful")
         strategy = weights.get("strategy") or ("group" if (weights.get("group_size") or 0) > 0 else "channel")
@@ -64,7 +62,7 @@ class PackQuantized(QuantFormat):
         try:
             return QuantScheme(
                 scale_dtype=scale_dtype,
-                actorder="static" if weights.get("actorder") in ("static", "weight") else None,
+                actorder=_actorder(weights.get("actorder")),
                 num_bits=weights["num_bits"],
                 symmetric=weights.get("symmetric", True),
                 strategy=strategy,
@@ -72,6 +70,14 @@ class PackQuantized(QuantFormat):
             )
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"{where}: {exc}") from None
+
+
+def _actorder(value) -> str | None:
+    """compressed-tensors' actorder as quantkit's: "weight" (or "static") keeps groups contiguous; "group"
+    stores weight_g_idx, each column's group (the module then holds it)."""
+    if value in ("static", "weight"):
+        return "static"
+    return "group" if value == "group" else None
 
 
 FORMATS.add(PackQuantized.name, PackQuantized())

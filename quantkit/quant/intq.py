@@ -154,6 +154,16 @@ def dequantize(
     return (g * scale.to(work).unsqueeze(-1)).reshape(q.shape).to(dtype)
 
 
+def dequantize_columns(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], g_idx: torch.Tensor,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`dequantize` where column j belongs to group g_idx[j] (act-order checkpoints): (q - zero_point[:, g]) *
+    scale[:, g], computed exactly in float32 and cast once."""
+    w = q.float()
+    if zero_point is not None:
+        w = w - zero_point.float()[:, g_idx]
+    return (w * scale.float()[:, g_idx]).to(dtype)
+
+
 def dequantize_packed4(packed: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor],
                        scheme: QuantScheme, dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
     """`dequantize` of 4-bit codes straight from their packed int32 words [out, in / 8] (little-endian,

@@ -79,7 +79,9 @@ class QuantScheme(StrictModel):
     strategy: Literal["channel", "group", "tensor", "block", "tensor_group"] = "group"
     group_size: Optional[int] = 128  # columns sharing one scale; only for strategy "group"
     block_structure: Optional[tuple[int, int]] = None  # [rows, cols] sharing one scale; only for strategy "block"
-    actorder: Optional[Literal["static"]] = None  # GPTQ column order; "static" keeps groups contiguous
+    # GPTQ column order: "static" keeps groups contiguous; "group" (read from checkpoints only: AutoGPTQ's desc_act,
+    # compressed-tensors' weight_g_idx) puts column j in group g_idx[j]
+    actorder: Optional[Literal["static", "group"]] = None
     # None = weight-only (16-bit activations); FP8 weights take FP8 activations, int8 weights int8 ones (W8A8),
     # symmetric grouped int4 weights FP8 ones (W4AFP8)
     input_activations: Optional[ActivationScheme] = None
@@ -107,6 +109,8 @@ class QuantScheme(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> "QuantScheme":
+        if self.actorder == "group" and (self.type != "int" or self.grid is not None or self.strategy != "group"):
+            raise ValueError("actorder 'group' (a g_idx per column) is for int weights in groups")
         if self.type == "float" and self.strategy in ("group", "tensor_group"):
             self._check_micro()
             return self
@@ -238,6 +242,8 @@ class QuantScheme(StrictModel):
         return (1 << (self.num_bits - 1)) - 1
 
     def group_count(self, in_features: int) -> int:
+        if self.actorder == "group":  # a g_idx names each column's group: the last may be short (GPTQ allows it)
+            return -(-in_features // self.group_size)
         return 1 if self.strategy == "channel" else in_features // self.group_size
 
     def short(self) -> str:
