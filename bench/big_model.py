@@ -1,12 +1,14 @@
 """A Llama-3-8B-shaped checkpoint with random weights, and the memory and time of quantizing it.
 
 Usage: python bench/big_model.py write DIR [--layers 32] [--tokenizer DIR]   # ~16 GB of bf16, shard by shard
-       python bench/big_model.py quantize DIR RECIPE [--set k=v ...] [--load layers|whole] [-o OUT]
+       python bench/big_model.py quantize DIR RECIPE [--set k=v ...] [--load layers|whole|model-free] [-o OUT]
 Shapes: hidden 4096, 32 layers, intermediate 14336, 32 heads, 8 KV heads, vocab 128256 (Llama-3-8B).
 The tokenizer is SmolLM2's (its ids fit the vocabulary), for calibration text: the demo model's, or the
 tokenizer files of `--tokenizer DIR` (where the demo model cannot be fetched, e.g. the lent GPU machine).
 `quantize` prints the CPU line, wall time by phase, peak resident memory and peak live allocated bytes
-(glibc's accounting, sampled every 2 ms), and the checkpoint size.
+(glibc's accounting, sampled every 2 ms), and the checkpoint size. `--load model-free` runs the tensor-by-tensor
+path (`flow/model_free.py`) and first times one plain read of the source's tensors (the page cache dropped
+before each where this user may write /proc/sys/vm/drop_caches; said either way) for the ratio to disk speed.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, 
     print(compute.machine_summary())
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     print(f"source {src}: {size / 1e9:.2f} GB; recipe {recipe.name} {' '.join(overrides) or ''}; load {load_mode}")
+    if load_mode == "model-free":
+        model_free(src, recipe, out, size)
+        return
     base = live_heap_bytes() or 0
     start = time.perf_counter()
     with PeakSampler(0.005, live=live, where=True) as peak:  # live: glibc's accounting too (slows the job a little)
@@ -95,6 +100,36 @@ def quantize(src: Path, recipe_name: str, overrides: list[str], load_mode: str, 
     print(f"{len(meta['layers'])} linears quantized")
 
 
+def _drop_caches() -> str:
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "page cache dropped"
+    except OSError:
+        return "page cache NOT dropped (no permission)"
+
+
+def model_free(src: Path, recipe, out: Path, size: int) -> None:
+    from quantkit.flow.model_free import quantize_model_free
+    from quantkit.formats.lazy import LazyCheckpoint
+    from quantkit.platform.memory import PeakSampler
+
+    note = _drop_caches()
+    start = time.perf_counter()
+    for _ in LazyCheckpoint(src).items():
+        pass
+    read = time.perf_counter() - start
+    print(f"one read of every tensor: {read:.1f} s ({size / read / 1e9:.2f} GB/s; {note})")
+    note = _drop_caches()
+    start = time.perf_counter()
+    with PeakSampler(0.005, live=False, where=False) as peak:
+        quantize_model_free(src, recipe, out, overwrite=True, notify=print)
+    wall = time.perf_counter() - start
+    out_size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
+    print(f"model-free quantize: {wall:.1f} s = {wall / read:.2f}x the read ({note}); peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.2f} GB (sampled {peak.peak_rss / 1e9:.2f} GB,"
+          f" {peak.file_at_peak / 1e9:.2f} GB of it file-backed); checkpoint {out_size / 1e9:.2f} GB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -107,7 +142,7 @@ def main() -> None:
     q.add_argument("dir", type=Path)
     q.add_argument("recipe")
     q.add_argument("--set", dest="overrides", action="append", default=[])
-    q.add_argument("--load", default="layers", choices=["layers", "whole"])
+    q.add_argument("--load", default="layers", choices=["layers", "whole", "model-free"])
     q.add_argument("-o", "--output", type=Path, default=None)
     q.add_argument("--live", action="store_true", help="Also sample glibc's live allocated bytes (every 5 ms).")
     q.add_argument("--device", default="auto")

@@ -41,8 +41,12 @@ import click
                    "CPU, one GPU each with nccl). Same as `torchrun --nproc-per-node N -m quantkit quantize ...`.")
 @click.option("--dist-timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="SECONDS",
               help="Distributed runs: how long a rank waits for the others before failing (a rank that died or hangs).")
+@click.option("--model-free", is_flag=True,
+              help="Quantize tensor by tensor from the safetensors files, building no model (data-free recipes: RTN, "
+                   "FP8 dynamic / block / weight-only, MXFP4 / MXFP8 with rtn); any architecture, memory of one tensor.")
 def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_nonfinite, load_mode, max_shard_size,
-            trust_remote_code, device, activation_budget, no_memory_check, resume, restart, nproc, dist_timeout):
+            trust_remote_code, device, activation_budget, no_memory_check, resume, restart, nproc, dist_timeout,
+            model_free):
     """Quantize MODEL (local directory, demo name or hub id; default smollm2-135m).
 
     \b
@@ -50,6 +54,7 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
       quantkit quantize --recipe rtn-w4a16 --set stages.0.scheme.group_size=64
       quantkit quantize ./my-llama --recipe rtn-w8a16 -o ./my-llama-w8
       quantkit quantize gemma3-270m --recipe my-recipe.yaml --overwrite
+      quantkit quantize ./any-model --recipe fp8-dynamic --model-free
 
     --overwrite replaces only an earlier quantkit output (or an empty directory), never the current
     or home directory, the source model, or a directory holding files quantkit did not write.
@@ -58,6 +63,16 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
     from quantkit.flow.recipe import load_recipe
 
     recipe = load_recipe(recipe_name, list(overrides))  # a bad recipe fails here, before any process starts
+    if model_free:
+        from quantkit.checkpoints.resolve import resolve_model
+        from quantkit.flow.job import default_output
+        from quantkit.flow.model_free import quantize_model_free
+
+        source = resolve_model(model)
+        out = quantize_model_free(source, recipe, Path(output) if output else default_output(source, recipe),
+                                  overwrite, notify=click.echo)
+        click.echo(f"Wrote {out}")
+        return
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         raise SystemExit(_launch(nproc))
     if nproc > 1 and int(os.environ["WORLD_SIZE"]) != nproc:

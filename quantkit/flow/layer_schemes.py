@@ -20,20 +20,18 @@ def layer_schemes(model: nn.Module, names: list[str], scheme: QuantScheme, stage
     """(the linears whose group size falls back, each with its scheme; a mixture's scheme per linear)."""
     if scheme.grid == "q4_k_m":
         return {}, _ggml_mixture(model, names, stage)
-    return _fit_group_size(model, names, scheme, stage, explicit), {}
+    return fit_group_size({n: model.get_submodule(n).in_features for n in names}, scheme, stage, explicit), {}
 
 
 FALLBACK_GROUP_SIZES = (64, 32)  # for a layer a recipe's default group size does not divide, the largest that does
 
 
-def _fit_group_size(model: nn.Module, names: list[str], scheme: QuantScheme, stage: int,
-                    explicit: bool) -> dict[str, QuantScheme]:
-    """The linears whose in_features the group size does not divide, each with the scheme it gets
-    instead: the largest of FALLBACK_GROUP_SIZES that divides it. A group size given by --set
+def fit_group_size(sizes: dict[str, int], scheme: QuantScheme, stage: int, explicit: bool) -> dict[str, QuantScheme]:
+    """The linears (name: in_features) whose in_features the group size does not divide, each with the scheme it
+    gets instead: the largest of FALLBACK_GROUP_SIZES that divides it. A group size given by --set
     (`explicit`), or a layer no fallback fits, is an error naming the layer and the sizes that fit."""
     if scheme.strategy != "group":
         return {}
-    sizes = {n: model.get_submodule(n).in_features for n in names}
     bad = [n for n, k in sizes.items() if k % scheme.group_size]
     if not bad:
         return {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -62,8 +63,9 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             ) from exc
 
 
-def read_config(path: Path) -> dict:
-    """config.json of a model directory, its fields checked (`formats.model_config.check`)."""
+def read_config(path: Path, check: bool = True) -> dict:
+    """config.json of a model directory, its fields checked (`formats.model_config.check`; `check=False`: only
+    that it is a JSON object, for readers that build no model from it)."""
     from quantkit.formats import model_config
 
     file = path / "config.json"
@@ -75,7 +77,8 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{file}: invalid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: expected a JSON object of the model's settings, got {type(raw).__name__}")
-    model_config.check(raw, file)
+    if check:
+        model_config.check(raw, file)
     return raw
 
 
@@ -108,6 +111,20 @@ class _StreamedShard:
         self._data.write(memoryview(raw))
         self.entries[key] = (ST_NAMES[t.dtype], tuple(t.shape), self.nbytes, raw.nbytes)
         self.nbytes += raw.nbytes
+
+    def add_pieces(self, key: str, dtype: torch.dtype, shape: tuple[int, ...], pieces) -> None:
+        """A tensor given as 1-D pieces in order (a large tensor copied without ever being whole in memory)."""
+        if key in self.entries:
+            raise ValueError(f"tensor {key} written twice")
+        start = self.nbytes
+        for piece in pieces:
+            raw = piece.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            self._data.write(memoryview(raw))
+            self.nbytes += raw.nbytes
+        expected = math.prod(shape) * dtype.itemsize
+        if self.nbytes - start != expected:
+            raise ValueError(f"tensor {key}: pieces of {self.nbytes - start} bytes for shape {list(shape)}")
+        self.entries[key] = (ST_NAMES[dtype], tuple(shape), start, expected)
 
     def close(self) -> None:
         self._data.close()
@@ -160,13 +177,23 @@ class ShardWriter:
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
+        self._shard_for(nbytes).add(key, tensor)
+        self.total_bytes += nbytes
+
+    def _shard_for(self, nbytes: int) -> "_StreamedShard":
+        """The shard the next tensor of `nbytes` goes to (a new one when it would pass max_shard_bytes)."""
         current = self._shards[-1] if self._shards else None
         if current is None or (current.entries and current.nbytes + nbytes > self.max_shard_bytes):
             if current is not None:
                 current.close()
             current = _StreamedShard(self.out / f".shard-{len(self._shards) + 1:05d}.safetensors")
             self._shards.append(current)
-        current.add(key, tensor)
+        return current
+
+    def add_pieces(self, key: str, dtype: torch.dtype, shape: tuple[int, ...], pieces) -> None:
+        """`add` for a tensor given as 1-D pieces in order (`LazyCheckpoint.pieces_of`): never whole in memory."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        self._shard_for(nbytes).add_pieces(key, dtype, shape, pieces)
         self.total_bytes += nbytes
 
     def close(self) -> list[Path]:

@@ -118,16 +118,22 @@ class LazyCheckpoint:
     def pieces(self, max_bytes: int = 64 << 20) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor as 1-D pieces of at most `max_bytes` (whole elements), read one at a time: a
         pass over the checkpoint that never holds a whole large tensor."""
-        for key, e in self._where.items():
-            step = max(1, max_bytes // e.dtype.itemsize) * e.dtype.itemsize
-            with open(e.file, "rb") as f:
-                f.seek(e.start)
-                for begin in range(e.start, max(e.end, e.start + 1), step):
-                    n = min(step, e.end - begin)
-                    buf = torch.empty(n, dtype=torch.uint8, device="cpu")
-                    if n and f.readinto(memoryview(buf.numpy())) != n:
-                        raise CheckpointError(f"{e.file}: tensor {e.stored} is cut short; re-create or re-download the file")
-                    yield key, buf.view(e.dtype)
+        for key in self._where:
+            for piece in self.pieces_of(key, max_bytes):
+                yield key, piece
+
+    def pieces_of(self, key: str, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
+        """Tensor `key` as 1-D pieces of at most `max_bytes` (whole elements), read one at a time."""
+        e = self._where[key]
+        step = max(1, max_bytes // e.dtype.itemsize) * e.dtype.itemsize
+        with open(e.file, "rb") as f:
+            f.seek(e.start)
+            for begin in range(e.start, max(e.end, e.start + 1), step):
+                n = min(step, e.end - begin)
+                buf = torch.empty(n, dtype=torch.uint8, device="cpu")
+                if n and f.readinto(memoryview(buf.numpy())) != n:
+                    raise CheckpointError(f"{e.file}: tensor {e.stored} is cut short; re-create or re-download the file")
+                yield buf.view(e.dtype)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor, one at a time (each is dropped by the caller before the next is read)."""

@@ -63,7 +63,8 @@ def adapter_for(model_type: str) -> "ArchitectureAdapter":
     if adapter is None:
         raise UnsupportedArchitectureError(
             f"architecture {model_type!r} is not supported; supported architectures: {', '.join(architecture_names())}. "
-            "A plugin can add one through the 'quantkit.plugins' entry point group."
+            "A plugin can add one through the 'quantkit.plugins' entry point group; a data-free recipe (rtn-*, "
+            "fp8-dynamic, mxfp8) runs on any architecture with quantize --model-free."
         )
     return adapter
 
