@@ -47,6 +47,17 @@ def test_byte_identical_to_the_layer_by_layer_job(tiny_models, tmp_path, arch, r
     _same_as_layer_by_layer(tiny_models[arch], recipe, overrides, tmp_path)
 
 
+@pytest.mark.parametrize("recipe,overrides", RECIPES[:1] + RECIPES[2:] + [("fp8-dynamic", ["stages.0.scheme=FP8_BLOCK"])],
+                         ids=["rtn", "fp8", "mxfp8", "fp8-block"])
+def test_byte_identical_a_block_of_rows_at_a_time(tiny_models, tmp_path, monkeypatch, recipe, overrides):
+    """Weights quantized 32 rows at a time (128 for FP8 blocks): the same bytes as the whole tensor at once."""
+    from quantkit.flow import model_free
+
+    monkeypatch.setattr(model_free, "CHUNK_BYTES", 1)
+    assert model_free.chunk_rows(resolve_scheme("W4A16", {}), 4096, 4096) == 32
+    _same_as_layer_by_layer(tiny_models["qwen3"], recipe, overrides, tmp_path)
+
+
 def test_byte_identical_on_qwen2_and_moe(tiny_models, tokenizer, tmp_path_factory):
     from conftest import make_tiny_model
     from test_moe import _save_tiny_moe

@@ -114,3 +114,19 @@ def test_streamed_shards_are_byte_for_byte_safetensors_files(tmp_path):
         save_file(held, str(tmp_path / "part.safetensors"), metadata={"format": "pt"})
         assert f.read_bytes() == (tmp_path / "part.safetensors").read_bytes()
     assert sorted(p.name for p in many.iterdir()) == sorted([f.name for f in files] + ["model.safetensors.index.json"])
+    # with a plan (every tensor known first: each written once, in place), pieces included: the same files
+    for limit, name in ((2 << 30, "planned-one"), (100, "planned-many")):
+        out = tmp_path / name
+        out.mkdir()
+        writer = ShardWriter(out, max_shard_bytes=limit, plan=[(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()])
+        for i, (k, t) in enumerate(tensors.items()):
+            if i % 3 == 0 and t.dtype != torch.bool:
+                writer.add_pieces(k, t.dtype, tuple(t.shape), list(t.reshape(-1).split(2)))
+            else:
+                writer.add(k, t)
+        writer.close()
+        ref = one if limit > 100 else many
+        assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+        assert all((out / p.name).read_bytes() == p.read_bytes() for p in ref.iterdir())
+    with pytest.raises(ValueError, match="plan"):
+        ShardWriter(tmp_path / "planned-one", plan=[("a", torch.float32, (2,))]).add("b", torch.zeros(2))

@@ -18,6 +18,7 @@ naming the stage.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -105,7 +106,7 @@ def quantize_model_free(source: Path, recipe: Recipe, out: Path, overwrite: bool
     start = time.perf_counter()
     quantized: dict[str, tuple] = {}
     with atomic_output_dir(out, overwrite, protect=[source]) as tmp:
-        writer = ShardWriter(tmp)
+        writer = ShardWriter(tmp, plan=list(_layout(ckpt, targets, storage)))  # each byte written once
         for key, tensor in _tensors(ckpt, targets, storage, quantized):
             if tensor is None:  # a tensor kept as stored: copied piece by piece
                 writer.add_pieces(key, *ckpt.info(key), ckpt.pieces_of(key))
@@ -138,14 +139,54 @@ def _tensors(ckpt: LazyCheckpoint, targets: dict, storage: torch.dtype,
             continue
         algo, scheme = targets[module]
         algo.scheme = scheme
-        stand = _Stand(ckpt.get(key).float())
-        qw = algo.quantize_layer({module: stand}, [[module]], storage)[module]
-        fmt = format_for(qw.scheme)
+        rows, cols = ckpt.info(key)[1]
+        step = chunk_rows(scheme, rows, cols)
+        parts: dict[str, list[torch.Tensor]] = {}
+        for start in range(0, rows, step):  # rows are quantized independently: a block at a time, same bytes
+            stand = _Stand(ckpt.row_block(key, start, start + step).float())
+            qw = algo.quantize_layer({module: stand}, [[module]], storage)[module]
+            fmt = format_for(qw.scheme)
+            packed = fmt.build_module(qw, None)
+            keep = fixed_dtype_keys(packed)  # as the layer-by-layer export writes them (`checkpoints.export`)
+            for name, tensor in packed.state_dict().items():
+                parts.setdefault(name, []).append(tensor if name in keep else as_stored(tensor, storage))
         quantized[module] = (fmt, qw.scheme)
-        packed = fmt.build_module(qw, None)
-        keep = fixed_dtype_keys(packed)  # as the layer-by-layer export writes them (`checkpoints.export`)
-        for name, tensor in packed.state_dict().items():
-            yield f"{module}.{name}", tensor if name in keep else as_stored(tensor, storage)
+        for name, pieces in parts.items():
+            if name == "weight_shape":
+                yield f"{module}.{name}", torch.tensor([rows, cols], dtype=pieces[0].dtype)
+            else:
+                yield f"{module}.{name}", pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _layout(ckpt: LazyCheckpoint, targets: dict, storage: torch.dtype) -> Iterator[tuple[str, torch.dtype, tuple]]:
+    """(name, dtype, shape) of every output tensor in `_tensors`' order, from the formats' empty modules (on the meta
+    device: nothing allocated) and the export's dtype rules."""
+    for key in ckpt.keys():
+        module = key.removesuffix(".weight")
+        if not key.endswith(".weight") or module not in targets:
+            yield (key, *ckpt.info(key))
+            continue
+        scheme = targets[module][1]
+        rows, cols = ckpt.info(key)[1]
+        with torch.device("meta"):
+            empty = format_for(scheme).empty_module(nn.Linear(cols, rows, bias=False), scheme, storage)
+        keep = fixed_dtype_keys(empty)
+        for name, t in empty.state_dict().items():
+            dtype = t.dtype if name in keep or not (t.is_floating_point() and t.element_size() >= 2) else storage
+            yield f"{module}.{name}", dtype, tuple(t.shape)
+
+
+CHUNK_BYTES = 32 << 20  # float32 bytes of weight rows quantized at a time
+
+
+def chunk_rows(scheme, rows: int, cols: int) -> int:
+    """Rows per step for `scheme`: all of them where one scale spans the tensor; else about CHUNK_BYTES of float32,
+    a multiple of 32 rows (zero points pack along the rows: 32 rows fill whole words at any width) and of an FP8
+    block's rows."""
+    if scheme.strategy == "tensor":
+        return rows
+    align = math.lcm(32, scheme.block_structure[0]) if scheme.strategy == "block" else 32
+    return max(align, CHUNK_BYTES // (4 * cols) // align * align)
 
 
 def _config(quantized: dict, ckpt: LazyCheckpoint, recipe: Recipe, vocab: int | None) -> dict:

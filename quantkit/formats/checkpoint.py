@@ -128,21 +128,65 @@ class _StreamedShard:
 
     def close(self) -> None:
         self._data.close()
-        order = sorted(self.entries, key=lambda k: (ST_ORDER.index(self.entries[k][0]), k))
-        header: dict = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for key in order:
-            dtype, shape, _, nbytes = self.entries[key]
-            header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        text += b" " * (-len(text) % 8)
+        text, offsets = _header({k: (d, s, n) for k, (d, s, _, n) in self.entries.items()})
         with open(self.path, "wb") as out, open(self.data_path, "rb") as src:
-            out.write(len(text).to_bytes(8, "little"))
             out.write(text)
-            for key in order:
+            for key in offsets:
                 _copy_range(src, out, self.entries[key][2], self.entries[key][3])
         os.unlink(self.data_path)
+
+
+def _header(entries: dict[str, tuple[str, tuple[int, ...], int]]) -> tuple[bytes, dict[str, int]]:
+    """The size prefix and JSON header of a safetensors file holding `entries` (key: (dtype name, shape, nbytes)),
+    as safetensors' own writer lays it out (by dtype rank, then name); and each tensor's offset after the header, in
+    that order."""
+    order = sorted(entries, key=lambda k: (ST_ORDER.index(entries[k][0]), k))
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offsets, offset = {}, 0
+    for key in order:
+        dtype, shape, nbytes = entries[key]
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offsets[key] = offset
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, offsets
+
+
+class _PlannedShard:
+    """A shard whose tensors (names, dtypes, shapes) are known before any is written: the header goes first and each
+    tensor straight to its place, so the data is written once (a `_StreamedShard` writes it twice). The same bytes."""
+
+    def __init__(self, path: Path, plan: dict[str, tuple[str, tuple[int, ...], int]]):
+        self.path, self.plan = path, plan
+        text, offsets = _header(plan)
+        self._at = {k: len(text) + o for k, o in offsets.items()}
+        self._file = open(path, "wb")
+        self._file.write(text)
+        self.entries: dict[str, tuple] = {}
+        self.nbytes = sum(n for _, _, n in plan.values())
+
+    def _check(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        if key in self.entries or self.plan.get(key, (None,))[:2] != (ST_NAMES.get(dtype), tuple(shape)):
+            raise ValueError(f"tensor {key} ({dtype}, {list(shape)}): not what the plan of {self.path.name} has, "
+                             "or written twice")
+        self.entries[key] = self.plan[key]
+        self._file.seek(self._at[key])
+
+    def add(self, key: str, t: torch.Tensor) -> None:
+        self._check(key, t.dtype, tuple(t.shape))
+        self._file.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+    def add_pieces(self, key: str, dtype: torch.dtype, shape: tuple[int, ...], pieces) -> None:
+        self._check(key, dtype, shape)
+        for piece in pieces:
+            self._file.write(memoryview(piece.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+    def close(self) -> None:
+        self._file.close()
+        missing = [k for k in self.plan if k not in self.entries]
+        if missing:
+            raise ValueError(f"{self.path.name}: planned tensors never written: {', '.join(missing[:4])}")
 
 
 def checkpoint_dtype(config: dict) -> torch.dtype:
@@ -170,18 +214,45 @@ class ShardWriter:
     single shard holds everything. Each tensor goes to disk when it is added, so nothing is held
     in memory; the files are byte for byte what safetensors' `save_file` writes for the same shards."""
 
-    def __init__(self, out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+    def __init__(self, out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 plan: Optional[list[tuple[str, torch.dtype, tuple[int, ...]]]] = None):
+        """plan: every tensor to come, in order (name, dtype, shape): each is then written once, straight into its
+        place in its shard (the shards split as they would without a plan), and nothing else may be added."""
         self.out, self.max_shard_bytes = Path(out), max_shard_bytes
-        self._shards: list[_StreamedShard] = []
+        self._shards: list = []
         self.total_bytes = 0
+        self._planned: dict[str, _PlannedShard] = {}
+        self._has_plan = plan is not None
+        if plan is not None:
+            self._make_planned(plan)
+
+    def _make_planned(self, plan: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        groups: list[dict] = []
+        size = 0
+        for key, dtype, shape in plan:
+            nbytes = math.prod(shape) * dtype.itemsize
+            if not groups or (groups[-1] and size + nbytes > self.max_shard_bytes):
+                groups.append({})
+                size = 0
+            groups[-1][key] = (ST_NAMES[dtype], tuple(shape), nbytes)
+            size += nbytes
+        for i, group in enumerate(groups or [{}]):
+            shard = _PlannedShard(self.out / f".shard-{i + 1:05d}.safetensors", group)
+            self._shards.append(shard)
+            self._planned.update({k: shard for k in group})
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        self._shard_for(nbytes).add(key, tensor)
+        self._shard_for(nbytes, key).add(key, tensor)
         self.total_bytes += nbytes
 
-    def _shard_for(self, nbytes: int) -> "_StreamedShard":
-        """The shard the next tensor of `nbytes` goes to (a new one when it would pass max_shard_bytes)."""
+    def _shard_for(self, nbytes: int, key: str):
+        """The shard the next tensor of `nbytes` goes to (a new one when it would pass max_shard_bytes; the planned
+        one with a plan)."""
+        if self._has_plan:
+            if key not in self._planned:
+                raise ValueError(f"tensor {key} is not in the writer's plan")
+            return self._planned[key]
         current = self._shards[-1] if self._shards else None
         if current is None or (current.entries and current.nbytes + nbytes > self.max_shard_bytes):
             if current is not None:
@@ -193,14 +264,15 @@ class ShardWriter:
     def add_pieces(self, key: str, dtype: torch.dtype, shape: tuple[int, ...], pieces) -> None:
         """`add` for a tensor given as 1-D pieces in order (`LazyCheckpoint.pieces_of`): never whole in memory."""
         nbytes = math.prod(shape) * dtype.itemsize
-        self._shard_for(nbytes).add_pieces(key, dtype, shape, pieces)
+        self._shard_for(nbytes, key).add_pieces(key, dtype, shape, pieces)
         self.total_bytes += nbytes
 
     def close(self) -> list[Path]:
         """Finish the last shard, name the shards and write the index; returns the weight files."""
         if not self._shards:
             self._shards.append(_StreamedShard(self.out / ".shard-00001.safetensors"))
-        self._shards[-1].close()
+        for shard in self._shards if self._has_plan else self._shards[-1:]:  # (streamed ones closed as they filled)
+            shard.close()
         if len(self._shards) == 1:
             os.replace(self._shards[0].path, self.out / SINGLE_FILE)
             return [self.out / SINGLE_FILE]

@@ -115,6 +115,18 @@ class LazyCheckpoint:
                     raise CheckpointError(f"{e.file}: tensor {e.stored} is cut short; re-create or re-download the file")
         return out.view(e.dtype)
 
+    def row_block(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop of tensor `key` (first dim), read in one go: [stop - start, ...]."""
+        e = self._where[key]
+        row_bytes = _numel(e.shape[1:]) * e.dtype.itemsize
+        stop = min(stop, e.shape[0])
+        buf = torch.empty((stop - start) * row_bytes, dtype=torch.uint8, device="cpu")
+        with open(e.file, "rb") as f:
+            f.seek(e.start + start * row_bytes)
+            if f.readinto(memoryview(buf.numpy())) != buf.numel():
+                raise CheckpointError(f"{e.file}: tensor {e.stored} is cut short; re-create or re-download the file")
+        return buf.view(e.dtype).reshape(stop - start, *e.shape[1:])
+
     def pieces(self, max_bytes: int = 64 << 20) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor as 1-D pieces of at most `max_bytes` (whole elements), read one at a time: a
         pass over the checkpoint that never holds a whole large tensor."""
