@@ -164,6 +164,8 @@ def test_act_order_kernels_equal_the_reference_path():
     qw = QuantizedWeight(codes.q, codes.scale.float(), codes.zero_point, scheme)
     module = PackedIntLinear.from_quantized(qw, None, g_idx=codes.g_idx)
     assert module.column_order() is not None
+    # a fresh act-order module (what the decode plan times) holds contiguous groups: the kernels' path, not the reference
+    assert torch.equal(PackedIntLinear(128, 32, False, scheme, torch.float32).column_order(), torch.arange(128))
     x = torch.randn(3, 128)
     reference = x @ weight.t()
     module.kernel_request = "torch"
@@ -247,6 +249,15 @@ def test_act_order_gptq_loads_runs_and_refuses_conversion(rtn_checkpoints, token
         monkeypatch.setenv("QUANTKIT_KERNEL", "torch")
         exact = quantkit.load(tmp_path / "act", dtype=torch.float32)(ids).logits
     torch.testing.assert_close(fast, exact, rtol=1e-4, atol=1e-4)
+    # the decode step (its own int4 op calls and fused projections) permutes too: its logits are the forward's
+    from test_generate import _lean_logits
+
+    monkeypatch.delenv("QUANTKIT_KERNEL")
+    decoder = quantkit.load(tmp_path / "act", dtype=torch.float32, workload="decode")
+    assert decoder.get_submodule(next(iter(defined))).prepare(torch.device("cpu"), torch.float32) == "cpu"
+    with torch.no_grad():
+        lean = _lean_logits(decoder, ids[:1], 6)
+    torch.testing.assert_close(lean, exact[:1, -6:], rtol=1e-4, atol=1e-4)
     res = CliRunner().invoke(cli, ["convert", "gptq", str(tmp_path / "act"), "-o", str(tmp_path / "ct")])
     assert res.exit_code != 0 and "actorder 'group'" in res.output and "quantkit loads" in res.output
     assert not (tmp_path / "ct").exists()

@@ -50,7 +50,9 @@ class PackedIntLinear(nn.Module):
         else:
             self.weight_zero_point = None
         if scheme.actorder == "group":
-            self.register_buffer("weight_g_idx", torch.zeros(in_features, dtype=torch.int32, device=device))
+            # contiguous groups until a checkpoint's g_idx is loaded (what the decode plan's timing copies run)
+            self.register_buffer("weight_g_idx", torch.arange(in_features, dtype=torch.int32, device=device)
+                                 // scheme.group_size)
         else:
             self.weight_g_idx = None
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=scale_dtype, device=device), requires_grad=False) if bias else None

@@ -102,6 +102,8 @@ def _fuse(linears: list[nn.Module], dtype: torch.dtype):
     if all(type(m) is nn.Linear for m in linears):
         return _fuse_plain(linears)
     if all(isinstance(m, PackedIntLinear) for m in linears):
+        if any(m.weight_g_idx is not None for m in linears):
+            return None  # act-order: each permutes its own input (`PackedIntLinear.column_order`), no shared product
         return _fuse_int4_cpu(linears, dtype)
     return None
 
@@ -255,9 +257,9 @@ def _resolve(module: nn.Module, device: torch.device, dtype: torch.dtype):
     an `_Int4` for a packed int4 module on the CPU op, else the module itself."""
     if type(module) is nn.Linear:
         return module.weight, module.bias
-    if isinstance(module, PackedIntLinear) and module.prepare(device, dtype) == "cpu":
+    if isinstance(module, PackedIntLinear) and module.prepare(device, dtype) == "cpu" and module.weight_g_idx is None:
         return _Int4(module._prepared[2], module.bias, module)
-    return module
+    return module  # (act-order int4: the module permutes its input before the op)
 
 
 def _fused_linear(fused: Optional[tuple]):
