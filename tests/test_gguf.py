@@ -662,6 +662,35 @@ def test_gptq_q4_k_m_checkpoint_holds_llama_cpp_types_and_exports_its_blocks(q4_
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("case", ["wide", "tiny", "q4_1"])
+def test_import_keeps_k_quant_q5_0_q4_1_blocks_exact_and_exports_them_back(q4_k_m_models, tmp_path, case):
+    """A GGUF file's Q4_K, Q6_K, Q5_0 and Q4_1 linears come in as their own blocks (ggml-blocks): the values
+    gguf-py dequantizes, bit for bit, and the same bytes when exported again."""
+    from quantkit.checkpoints.from_gguf import convert_gguf
+    from quantkit.qmodules.ggml_linear import GGMLLinear
+
+    _, _, summary = q4_k_m_models[case]
+    back = convert_gguf(summary.path, tmp_path / "imported")
+    config = json.loads((back / "config.json").read_text())
+    tensors = _tensors(summary.path)
+    model = load(back, dtype=torch.float32)
+    kinds = set()
+    for i, layer in enumerate(model.model.layers):
+        for hf, g in HF_TO_GGUF.items():
+            t, module = tensors[f"blk.{i}.{g}.weight"], layer.get_submodule(hf)
+            if t.tensor_type.name in ("Q4_K", "Q6_K", "Q5_0", "Q4_1"):
+                assert isinstance(module, GGMLLinear), (i, hf)
+                kinds.add(t.tensor_type.name)
+            ours = module.dequantize(torch.float32).numpy()
+            order = row_order(f"{hf}.weight", config, ours.shape[0])
+            assert np.array_equal(gguf_dequantize(t.data, t.tensor_type), ours if order is None else ours[order])
+    assert kinds == {"wide": {"Q4_K", "Q6_K"}, "tiny": {"Q5_0"}, "q4_1": {"Q4_1"}}[case]
+    again = export_gguf(back, tmp_path / "again.gguf", tokenizer_pre="default").path
+    for gname, t in _tensors(again).items():
+        if gname.startswith("blk.") and t.tensor_type.name in kinds:
+            assert np.array_equal(np.asarray(t.data), np.asarray(tensors[gname].data)), gname
+
+
 def test_awq_refuses_k_quant_targets(tiny_models, tmp_path):
     from quantkit.errors import QuantizationError
 

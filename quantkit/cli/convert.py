@@ -22,7 +22,9 @@ def gguf(file, output, dtype, dequantize, overwrite):
     """Convert the GGUF model FILE into a safetensors checkpoint.
 
     Linears stored as Q8_0 or Q4_0 stay quantized (compressed-tensors int8 / int4 group 32 with the
-    file's exact values); other types are dequantized to --dtype. The command says which went which way.
+    file's exact values), Q4_1, Q5_0, Q4_K and Q6_K keep their blocks (quantkit's ggml-blocks format, exact;
+    quantkit and `export gguf` read it, vLLM does not); other types are dequantized to --dtype. The
+    command says which went which way.
 
     \b
     Example:

@@ -1,8 +1,10 @@
 """GGUF in without loss: the linears a GGUF file holds as Q8_0 or Q4_0 become compressed-tensors int
 weights whose dequantized values are exactly ggml's (Q8_0 -> symmetric int8 group 32; Q4_0 -> int4
 group 32, asymmetric with zero points 0 / -1 when any block has d < 0, symmetric otherwise; fp16
-scales as in the file). Other types stay in the float model transformers dequantized (`keep_quantized`
-says which went which way)."""
+scales as in the file). Q4_1, Q5_0, Q4_K and Q6_K linears keep the file's blocks as they are (quantkit's
+`ggml-blocks` format: exact, loaded and run by quantkit, exported back byte for byte; vLLM and transformers
+do not read it). Other types (Q5_K, Q2_K, IQ*) stay in the float model transformers dequantized
+(`keep_quantized` says which went which way)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ from torch import nn
 from quantkit.gguf import grids, metadata
 from quantkit.quant import ggml_blocks as blocks
 from quantkit.quant.intq import QuantizedWeight
-from quantkit.quant.schemes import QuantScheme
+from quantkit.quant.ggml import KIND, GGMLWeight
+from quantkit.quant.schemes import PRESETS, QuantScheme
+
+BLOCK_KINDS = tuple(KIND.values())  # ggml types kept as their blocks (Q4_1, Q5_0, Q4_K, Q6_K)
 
 Q8_0 = QuantScheme(num_bits=8, symmetric=True, strategy="group", group_size=32, scale_dtype="float16")
 Q4_0_SYM = QuantScheme(num_bits=4, symmetric=True, strategy="group", group_size=32, scale_dtype="float16")
@@ -39,6 +44,7 @@ def keep_quantized(model: nn.Module, reader) -> tuple[dict, Counter]:
     packed int modules. Returns the quantized modules (name -> (format, scheme)) for the checkpoint's config,
     and tensors by how they went."""
     from quantkit.plugins.catalog import quant_format
+    from quantkit.qmodules.ggml_linear import GGMLLinear
     from quantkit.qmodules.int_linear import PackedIntLinear
 
     tensors = {t.name: t for t in reader.tensors}
@@ -51,17 +57,24 @@ def keep_quantized(model: nn.Module, reader) -> tuple[dict, Counter]:
             continue
         t = tensors.get(namer(name + ".weight") or "")
         kind = t.tensor_type.name if t is not None else None
-        if kind not in ("Q8_0", "Q4_0"):
+        if kind not in ("Q8_0", "Q4_0") and kind not in BLOCK_KINDS:
             how[f"{kind or 'tied'} -> dequantized"] += 1
             continue
         raw = np.asarray(t.data).reshape(module.out_features, -1)
         order = metadata.row_order(name + ".weight", config, module.out_features)
-        if order is not None:  # undo the converter's RoPE row order
+        if order is not None:  # undo the converter's RoPE row order (each row's blocks are its own bytes)
             raw = raw[np.argsort(order)]
-        qw = quantized_weight(kind, raw, module.in_features)
-        new = PackedIntLinear.from_quantized(qw, module.bias)
+        if kind in BLOCK_KINDS:
+            scheme = QuantScheme(**PRESETS[kind])
+            new = GGMLLinear.from_quantized(GGMLWeight.from_blocks(np.ascontiguousarray(raw), module.in_features,
+                                                                   scheme), module.bias)
+            quantized[name] = (quant_format("ggml-blocks"), scheme)
+            how[f"{kind} -> ggml blocks (kept)"] += 1
+        else:
+            qw = quantized_weight(kind, raw, module.in_features)
+            new = PackedIntLinear.from_quantized(qw, module.bias)
+            quantized[name] = (fmt, qw.scheme)
+            how[f"{kind} -> {qw.scheme.short()} (kept)"] += 1
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
-        quantized[name] = (fmt, qw.scheme)
-        how[f"{kind} -> {qw.scheme.short()} (kept)"] += 1
     return quantized, how
