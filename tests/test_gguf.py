@@ -396,6 +396,60 @@ def test_export_refusals(gguf_models, tiny_models, tmp_path):
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*tmp*"))  # nothing left behind
 
 
+def test_q4_1_holds_asymmetric_int4_exactly_where_its_minimums_are_fp16():
+    """x = (c - z) s as Q4_1 (q = c + 8, d = s, m = -s (z + 8)): gguf-py reads the same values; a minimum fp16 cannot
+    hold (s with a full bf16 mantissa times 9, 11, 13 or 15 needs 12 bits) is refused, never rounded."""
+    from quantkit.gguf.grids import q4_1_weight
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-8, 8, (4, 64), generator=g, dtype=torch.int8)
+    zp = torch.randint(-8, 8, (4, 2), generator=g, dtype=torch.int8)
+    scale = 2.0 ** torch.randint(-10, -4, (4, 2), generator=g).float()  # powers of two: every -s (z + 8) is exact
+    raw = q4_1_weight(codes, scale, zp, "w").to_blocks()
+    theirs = gguf_dequantize(raw, gguf.GGMLQuantizationType.Q4_1)
+    ours = ((codes.float().reshape(4, 2, 32) - zp.float()[..., None]) * scale[..., None]).reshape(4, 64)
+    assert np.array_equal(theirs, ours.numpy())
+    scale[0, 0] = 2.0 - 2 ** -7  # bf16-exact (8 significant bits), but 15 s needs 12: not fp16-exact
+    zp[0, 0] = 7
+    with pytest.raises(CheckpointError, match="not exact in float16"):
+        q4_1_weight(codes, scale, zp, "w")
+
+
+def test_any_int_group_32_checkpoint_exports_exactly_and_others_only_requantized(tiny_models, tmp_path):
+    """Int4 group 32 goes in as Q4_0 where its zero points are 0 / -1, else as Q4_1 where every block minimum is
+    exact in fp16, every value the one gguf-py reads; what no GGUF grid holds (minimums fp16 cannot hold, group
+    64) is refused, or with requantize rounded again from its dequantized values and listed."""
+    from quantkit.gguf.metadata import row_order
+
+    src = tiny_models["llama"]  # bf16: its scales are exact in fp16 (the float32 qwen3's are not)
+    asym = quantize(str(src), load_recipe("rtn-w4a16-asym", ["stages.0.scheme.group_size=32"]), tmp_path / "a",
+                    progress=False).output
+    with pytest.raises(CheckpointError, match="--requantize"):
+        export_gguf(asym, tmp_path / "a.gguf")
+    summary = export_gguf(asym, tmp_path / "a.gguf", tokenizer_pre="default", requantize=True)
+    assert summary.exact + len(summary.requantized) == 3 * 7
+    config = json.loads((asym / "config.json").read_text())
+    tensors = _tensors(summary.path)
+    model = load(asym, dtype=torch.float32)
+    for i, layer in enumerate(model.model.layers):
+        for hf, g in HF_TO_GGUF.items():
+            t = tensors[f"blk.{i}.{g}.weight"]
+            ours = layer.get_submodule(hf).dequantize(torch.float32).numpy()
+            order = row_order(f"{hf}.weight", config, ours.shape[0])
+            theirs = gguf_dequantize(t.data, t.tensor_type)
+            ours = ours if order is None else ours[order]
+            if t.name in summary.requantized:
+                assert np.abs(theirs - ours).max() <= np.abs(ours).max() / 7  # within a 4-bit step
+            else:
+                assert t.tensor_type.name in ("Q4_0", "Q4_1") and np.array_equal(theirs, ours)
+    g64 = quantize(str(src), load_recipe("rtn-w4a16", ["stages.0.scheme.group_size=64"]), tmp_path / "g64",
+                   progress=False).output
+    with pytest.raises(CheckpointError, match="--requantize"):
+        export_gguf(g64, tmp_path / "g64.gguf")
+    summary = export_gguf(g64, tmp_path / "g64.gguf", tokenizer_pre="default", requantize=True)
+    assert len(summary.requantized) == 3 * 7 and summary.exact == 0 and "REQUANTIZED" in summary.line()
+
+
 def test_interrupted_export_leaves_the_old_file(gguf_models, tmp_path, monkeypatch):
     _, ckpt, path = gguf_models["llama"]
     out = tmp_path / "m.gguf"

@@ -3,10 +3,13 @@
 Quantized linears on a ggml grid (Q4_0: int4 group 32 with fp16 scales and zero points 0 / -1;
 Q8_0: symmetric int8 group 32, fp16 scales; `quantkit.gguf.grids`) are written code for code, and those
 kept as ggml blocks (Q4_1, Q5_0, Q4_K, Q6_K: format ggml-blocks, recipes gptq-q4_1, gptq-q4_k_m) byte for byte: the file
-holds exactly what quantkit's solver chose. Tensors no algorithm quantized (embeddings, the output
-matrix, a float checkpoint's linears) are rounded to nearest on the type llama.cpp would give them
-(`quantkit.gguf.mixture`), and the closing summary says how many went which way. A quantized weight
-not on its tensor's grid is refused, never rounded a second time. The file is written to a hidden
+holds exactly what quantkit's solver chose. Any other int4 group-32 weight goes in as Q4_1 where its
+zero points are not Q4_0's (exact: x = d q + m with d = s, m = -s (z + 8), both fp16-exact or refused).
+Tensors no algorithm quantized (embeddings, the output matrix, a float checkpoint's linears) are rounded to
+nearest on the type llama.cpp would give them (`quantkit.gguf.mixture`), and the closing summary says how
+many went which way. A quantized weight on no GGUF grid (another group size, act-order groups) is refused,
+naming it, unless `requantize`: then it is rounded to nearest on its tensor's type from its dequantized
+values and listed as requantized. The file is written to a hidden
 sibling and renamed at the end: an interrupted export leaves nothing at the output path.
 """
 
@@ -31,7 +34,7 @@ from quantkit.gguf import grids, metadata, mixture
 from quantkit.quant import ggml_blocks as blocks
 from quantkit.quant import ggml
 from quantkit.quant.ggml import KIND
-from quantkit.quant.intq import rtn
+from quantkit.quant.intq import dequantize, dequantize_columns, rtn
 from quantkit.quant.packing import unpack_int32
 from quantkit.quant.schemes import PRESETS, QuantScheme
 
@@ -48,15 +51,19 @@ class ExportSummary:
     types: Counter = field(default_factory=Counter)  # ggml type -> tensors
     exact: int = 0  # quantized tensors written code for code
     nearest: list[str] = field(default_factory=list)  # tensors rounded to nearest here
+    requantized: list[str] = field(default_factory=list)  # quantized tensors on no GGUF grid, rounded again
 
     def line(self) -> str:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.types.items()))
+        again = (f"; REQUANTIZED (rounded again from their dequantized values): {len(self.requantized)}: "
+                 + ", ".join(self.requantized[:8]) + (" ..." if len(self.requantized) > 8 else "")) if self.requantized else ""
         return (f"wrote {self.path} ({self.bytes / 1e6:.1f} MB, file type {self.file_type}): {kinds}; "
-                f"{self.exact} calibrated tensors as quantized, {len(self.nearest)} rounded to nearest here")
+                f"{self.exact} calibrated tensors as quantized, {len(self.nearest)} rounded to nearest here{again}")
 
 
-def infer_file_type(config: dict, schemes: dict[str, QuantScheme]) -> str:
-    """The file type a quantized checkpoint's linears are stored in exactly."""
+def infer_file_type(config: dict, schemes: dict[str, QuantScheme], requantize: bool = False) -> str:
+    """The file type a quantized checkpoint's linears are stored in exactly (with `requantize`, the nearest one
+    by bit width for weights on no GGUF grid)."""
     if schemes and all(s.grid == "q4_1" for s in schemes.values()):
         return "Q4_1"
     if any(ggml.is_block_grid(s) for s in schemes.values()):
@@ -66,14 +73,18 @@ def infer_file_type(config: dict, schemes: dict[str, QuantScheme]) -> str:
         return kinds.pop()
     if not schemes:
         raise CheckpointError("a float checkpoint: give the GGUF type to round it to (--type q8_0, q4_0, q4_1, q4_k_m or f16)")
+    if requantize:
+        return "Q4_0" if max(s.num_bits for s in schemes.values()) <= 4 else "Q8_0"
     shown = sorted({s.short() for s in schemes.values()})
-    raise CheckpointError(f"the checkpoint's weights ({', '.join(shown)}) are not on one GGUF grid: GGUF holds Q4_0 "
-                          "(int4 group 32) and Q8_0 (int8 symmetric group 32) with fp16 scales; quantize with "
-                          "recipe gptq-q4_0, awq-q4_0 or gptq-q8_0")
+    raise CheckpointError(f"the checkpoint's weights ({', '.join(shown)}) are not on one GGUF grid: GGUF holds Q4_0 / "
+                          "Q4_1 (int4 group 32) and Q8_0 (int8 symmetric group 32) with fp16 scales; quantize with "
+                          "recipe gptq-q4_0, awq-q4_0 or gptq-q8_0, or pass --requantize to round these weights again "
+                          "to nearest (each listed)")
 
 
 def export_gguf(checkpoint: Path, out: Path, file_type: Optional[str] = None, overwrite: bool = False,
-                tokenizer_pre: Optional[str] = None, notify: Callable[[str], None] = log.info) -> ExportSummary:
+                tokenizer_pre: Optional[str] = None, notify: Callable[[str], None] = log.info,
+                requantize: bool = False) -> ExportSummary:
     import gguf
 
     ckpt = Path(checkpoint)
@@ -85,7 +96,7 @@ def export_gguf(checkpoint: Path, out: Path, file_type: Optional[str] = None, ov
     tensors = LazyCheckpoint(ckpt)  # one tensor read at a time
     schemes = _linear_schemes(config, tensors)
     body = {m: s for m, s in schemes.items() if not m.endswith("lm_head")}  # the output matrix has its own type
-    ftype = (file_type or "").upper() or infer_file_type(config, body)
+    ftype = (file_type or "").upper() or infer_file_type(config, body, requantize)
     if ftype not in mixture.FILE_TYPES:
         raise CheckpointError(f"GGUF type {file_type!r}: use one of {', '.join(t.lower() for t in mixture.FILE_TYPES)}")
     tied = bool(config.get("tie_word_embeddings", model_type in ("gemma3_text",)))
@@ -104,8 +115,11 @@ def export_gguf(checkpoint: Path, out: Path, file_type: Optional[str] = None, ov
                 raise CheckpointError(f"{ckpt}: tensor {hf_name} has no GGUF name for {model_type}")
             module = hf_name.removesuffix(".weight")
             if module in schemes:
-                data, kind = _quantized(tensors, module, schemes[module], gname, ftype, tied, config)
-                summary.exact += 1
+                data, kind, exact = _quantized(tensors, module, schemes[module], gname, ftype, tied, config,
+                                               ckpt if requantize else None)
+                summary.exact += exact
+                if not exact:
+                    summary.requantized.append(gname)
             else:
                 data, kind = _float(tensors.get(hf_name), hf_name, gname, ftype, tied, config, ckpt)
                 if kind not in ("F32", "F16"):
@@ -194,23 +208,38 @@ def _codes(tensors: LazyCheckpoint, module: str, scheme: QuantScheme):
     return codes, scale, zp
 
 
-def _quantized(tensors, module, scheme, gname, ftype, tied, config):
+def _quantized(tensors, module, scheme, gname, ftype, tied, config, requantize_from: Optional[Path] = None):
+    """(rows of blocks, ggml type, written exactly) of a quantized linear: its own codes on the GGUF grid that holds
+    them, or (`requantize_from`: the checkpoint) rounded again to nearest on the type its tensor gets."""
     if ggml.is_block_grid(scheme):
-        return _blocks_as_stored(tensors, module, scheme, gname, ftype, tied, config)
+        return (*_blocks_as_stored(tensors, module, scheme, gname, ftype, tied, config), True)
     codes, scale, zp = _codes(tensors, module, scheme)
     want = mixture.tensor_type(gname, tuple(codes.shape), ftype, tied, config["num_hidden_layers"])
-    have = grids.ggml_type_of(scheme)
-    if have != want:
-        raise CheckpointError(f"{module} ({gname}) is stored as {scheme.short()}, but GGUF file type {ftype} puts "
-                              f"{want} there; quantize it with a {want.lower()} scheme or export as "
-                              f"{(have or 'another type').lower()}")
-    if have == "Q4_0":
-        q, d = grids.q4_0_blocks(codes, scale, zp, module)
-        raw = blocks.pack_q4_0(q, d)
-    else:
-        c, d = grids.q8_0_blocks(codes, scale, module)
-        raw = blocks.pack_q8_0(c, d)
-    return _rows(raw, module + ".weight", config), have
+    try:
+        raw, have = _exact_blocks(tensors, module, scheme, codes, scale, zp)
+        if have != want and not {have, want} <= {"Q4_0", "Q4_1"}:
+            raise CheckpointError(f"{module} ({gname}) is stored as {scheme.short()}, but GGUF file type {ftype} puts "
+                                  f"{want} there; quantize it with a {want.lower()} scheme or export as "
+                                  f"{have.lower()}")
+    except CheckpointError as exc:
+        if requantize_from is None:
+            raise CheckpointError(f"{exc}; or pass --requantize to round it again to nearest (listed)") from None
+        g_idx = tensors.get(module + ".weight_g_idx").long() if module + ".weight_g_idx" in tensors else None
+        w = dequantize_columns(codes, scale, zp, g_idx) if g_idx is not None else dequantize(codes, scale, zp, scheme)
+        return (*_float(w, module + ".weight", gname, ftype, tied, config, requantize_from), False)
+    return _rows(raw, module + ".weight", config), have, True
+
+
+def _exact_blocks(tensors, module, scheme, codes, scale, zp) -> tuple[np.ndarray, str]:
+    """The blocks holding an int weight exactly (Q8_0; Q4_0 for zero points 0 / -1, else Q4_1), or CheckpointError."""
+    if grids.ggml_type_of(scheme) is None or module + ".weight_g_idx" in tensors:
+        raise CheckpointError(f"{module}: {scheme.short()} is on no GGUF grid (GGUF holds int4 and int8 in contiguous "
+                              "groups of 32 with fp16 scales)")
+    if scheme.num_bits == 8:
+        return blocks.pack_q8_0(*grids.q8_0_blocks(codes, scale, module)), "Q8_0"
+    if zp is None or bool(torch.isin(zp, torch.tensor([0, -1], dtype=zp.dtype)).all()):
+        return blocks.pack_q4_0(*grids.q4_0_blocks(codes, scale, zp, module)), "Q4_0"
+    return grids.q4_1_weight(codes, scale, zp, module).to_blocks(), "Q4_1"
 
 
 def _blocks_as_stored(tensors, module, scheme, gname, ftype, tied, config):

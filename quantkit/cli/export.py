@@ -21,11 +21,15 @@ def command():
 @click.option("--tokenizer-pre", default=None, metavar="NAME",
               help="llama.cpp's pre-tokenizer name for this tokenizer (default: looked up; 'default' if unknown).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
-def gguf(checkpoint, output, file_type, tokenizer_pre, overwrite):
+@click.option("--requantize", is_flag=True,
+              help="Round quantized weights on no GGUF grid (group size other than 32, act-order groups) again to nearest "
+                   "on their tensor's type, listing each (default: refuse them).")
+def gguf(checkpoint, output, file_type, tokenizer_pre, overwrite, requantize):
     """Write CHECKPOINT as one GGUF file for llama.cpp.
 
-    Weights quantized on a GGUF grid (recipes gptq-q4_0, awq-q4_0, gptq-q4_1, gptq-q8_0, gptq-q4_k_m) are written
-    code for code; embeddings and the output matrix get llama.cpp's type for them, rounded to nearest.
+    Weights quantized on a GGUF grid (recipes gptq-q4_0, awq-q4_0, gptq-q4_1, gptq-q8_0, gptq-q4_k_m, and any int4 /
+    int8 group-32 checkpoint: Q4_0, Q4_1 or Q8_0) are written code for code; embeddings and the output matrix get
+    llama.cpp's type for them, rounded to nearest.
 
     \b
     Example:
@@ -34,7 +38,7 @@ def gguf(checkpoint, output, file_type, tokenizer_pre, overwrite):
     """
     from quantkit.checkpoints.to_gguf import export_gguf
 
-    export_gguf(checkpoint, output, file_type, overwrite, tokenizer_pre, notify=click.echo)
+    export_gguf(checkpoint, output, file_type, overwrite, tokenizer_pre, notify=click.echo, requantize=requantize)
 
 
 @command.command("gptq")

@@ -1,5 +1,5 @@
 """Exact maps between quantkit's int weights (codes, scale, zero point; compressed-tensors' convention
-x = (c - z) s) and ggml's Q4_0 / Q8_0 blocks (x = d (q - 8), x = d q).
+x = (c - z) s) and ggml's Q4_0 / Q8_0 blocks (x = d (q - 8), x = d q), and Q4_1 (x = d q + m) for any zero point.
 
 Q4_0 is asymmetric int4 group 32 with fp16 scales and zero points in {0, -1}: z = 0 is d = s,
 q = c + 8; z = -1 is d = -s, q = 7 - c (x = s (c + 1) = -s (q - 8)). Symmetric int4 group 32 is
@@ -56,6 +56,24 @@ def q4_0_blocks(codes: torch.Tensor, scale: torch.Tensor, zero_point: Optional[t
     q = np.where(neg, 7 - c, c + 8).astype(np.uint8).reshape(codes.shape)
     d = np.where(z == -1, -s, s).astype(np.float16)
     return q, d
+
+
+def q4_1_weight(codes: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], what: str):
+    """Asymmetric int4 group-32 weights as Q4_1 blocks (x = d q + m: q = c + 8, d = s, m = -s (z + 8)), a GGMLWeight;
+    refused where a d or an m is not exact in float16 (then x = d q + m, summed in float32 as ggml does, is exactly
+    (c - z) s: both terms are exact and so is their sum's true value)."""
+    from quantkit.quant.ggml import GGMLWeight
+    from quantkit.quant.schemes import PRESETS
+
+    d = torch.from_numpy(fp16_scale(scale, what))
+    z = torch.zeros_like(scale, dtype=torch.int16) if zero_point is None else zero_point.to(torch.int16)
+    m = -(z.float() + 8) * scale.float()
+    m16 = m.to(torch.float16)
+    if not torch.equal(m16.float(), m):
+        bad = int((m16.float() != m).sum())
+        raise CheckpointError(f"{what}: {bad} block minimum(s) -s (z + 8) are not exact in float16, which Q4_1 stores")
+    q = (codes.to(torch.int16) + 8).to(torch.uint8)
+    return GGMLWeight("Q4_1", q, d, None, QuantScheme(**PRESETS["Q4_1"]), dmin=m16)
 
 
 def int_from_q4_0(q: np.ndarray, d: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
