@@ -1,7 +1,7 @@
 """Model-free quantization (`quantize --model-free`): tensor by tensor from the shards, no model, no adapter.
 
 For architectures quantkit knows, the weight files are byte for byte the layer-by-layer job's (dense llama, qwen2
-with biases, gemma3, a qwen3 MoE and a Mixtral with routers); for one it has no adapter for (phi3, fused qkv) the
+with biases, gemma3, a qwen3 MoE and a Mixtral with routers; NVFP4's global scale shared by q/k/v and gate/up); for one it has no adapter for (phi3, fused qkv) the
 output loads and each weight is the round-to-nearest of its source; for a config no library knows, the tensors
 are still quantized by name and shape."""
 
@@ -25,7 +25,7 @@ from quantkit.quant.intq import rtn
 from quantkit.quant.schemes import resolve_scheme
 
 RECIPES = [("rtn-w4a16", ["stages.0.scheme.group_size=32"]), ("rtn-w4a16-asym", ["stages.0.scheme.group_size=32"]),
-           ("fp8-dynamic", []), ("mxfp8", [])]
+           ("fp8-dynamic", []), ("mxfp8", []), ("nvfp4a16", [])]
 
 
 def _same_as_layer_by_layer(source, recipe, overrides, root):
@@ -48,7 +48,7 @@ def test_byte_identical_to_the_layer_by_layer_job(tiny_models, tmp_path, arch, r
 
 
 @pytest.mark.parametrize("recipe,overrides", RECIPES[:1] + RECIPES[2:] + [("fp8-dynamic", ["stages.0.scheme=FP8_BLOCK"])],
-                         ids=["rtn", "fp8", "mxfp8", "fp8-block"])
+                         ids=["rtn", "fp8", "mxfp8", "nvfp4a16", "fp8-block"])
 def test_byte_identical_a_block_of_rows_at_a_time(tiny_models, tmp_path, monkeypatch, recipe, overrides):
     """Weights quantized 32 rows at a time (128 for FP8 blocks): the same bytes as the whole tensor at once."""
     from quantkit.flow import model_free
@@ -69,7 +69,9 @@ def test_byte_identical_on_qwen2_and_moe(tiny_models, tokenizer, tmp_path_factor
                "mixtral": _save_tiny_moe(root / "mixtral", tokenizer, "mixtral", intermediate_size=32,
                                          num_local_experts=4)}
     for name, source in sources.items():
-        for recipe, overrides in RECIPES[:1] + RECIPES[2:3]:
+        # (NVFP4 on MoE: the layer-by-layer job gives each expert's gate and up their own global scale, model-free
+        # shares one as vLLM's fused w13 wants: not the same bytes, docs/known-limits.md)
+        for recipe, overrides in RECIPES[:1] + RECIPES[2:3] + (RECIPES[4:] if name == "qwen2" else []):
             out = _same_as_layer_by_layer(source, recipe, overrides, root / f"{name}-{recipe}")
             if name != "qwen2":  # routers stay as they were
                 tensors = load_file(str(out / "model.safetensors"))
@@ -129,7 +131,7 @@ def test_a_config_no_library_knows_and_what_stays_16_bit(tmp_path):
 
 def test_refusals(tiny_models, tmp_path):
     source = tiny_models["llama"]
-    for recipe, what in (("gptq-w4a16", "needs calibration data"), ("nvfp4a16", "depends on more than one tensor"),
+    for recipe, what in (("gptq-w4a16", "needs calibration data"), ("gptq-q4_k_m", "needs calibration data"),
                          ("fp8-static", "needs calibration data")):
         with pytest.raises(QuantizationError, match=what):
             quantize_model_free(source, load_recipe(recipe), tmp_path / recipe)

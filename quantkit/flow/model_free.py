@@ -9,10 +9,10 @@ vocab_size rows long (embeddings and output heads; a recipe quantizes neither), 
 algorithm and format code as in the layer-by-layer job (`quantize_layer` on a one-linear stand-in, then the
 format's module), so for an architecture quantkit also knows, the files are the same bytes.
 
-Only stages that quantize weights without data qualify: RTN (int, ggml grids, MXFP4 / MXFP8) and FP8 without
-static activations. Stages whose result depends on neighbouring linears (NVFP4's global scale shared by q/k/v),
-on calibration, or on the model's structure (transforms, KV-cache scales, the Q4_K_M mixture) are refused,
-naming the stage.
+Only stages that quantize weights without data qualify: RTN (int, ggml grids, NVFP4A16, MXFP4 / MXFP8) and FP8
+without static activations; NVFP4's global scale is shared by the siblings that read one input (q/k/v, gate/up,
+found by name). Stages whose result depends on calibration or on the model's structure (NVFP4 activations'
+global scale, transforms, KV-cache scales, the Q4_K_M mixture) are refused, naming the stage.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.formats.targets import matches
 from quantkit.checkpoints.quantization_config import FORMAT_VERSION, QUANT_METHOD
 from quantkit.plugins.catalog import format_for
+from quantkit.quant import microscale
 from quantkit.version import __version__
 
 EMBEDDING_NAMES = re.compile(r"(^|\.)(embed_tokens|embed|embeddings|word_embeddings|wte|wpe|tok_embeddings)$")
@@ -68,9 +69,9 @@ def plan(ckpt: LazyCheckpoint, recipe: Recipe, vocab: int | None = None) -> dict
                                     + ("needs calibration data" if algo.produces_weights else "transforms the model")
                                     + ": drop --model-free to run the layer-by-layer job")
         scheme = stage.scheme
-        if scheme.needs_input_global or scheme.grid == "q4_k_m" or (scheme.is_micro and scheme.micro_name == "nvfp4"):
-            raise QuantizationError(f"model-free quantization: {what}'s scheme {scheme.short()} depends on more than "
-                                    "one tensor (NVFP4's shared global scale, the Q4_K_M mixture); drop --model-free")
+        if scheme.grid == "q4_k_m":
+            raise QuantizationError(f"model-free quantization: {what}'s scheme {scheme.short()} is llama.cpp's "
+                                    "per-layer mixture, which needs the model's structure; drop --model-free")
         names = [n for n in linears if matches(n, probe, stage.spec.targets) and not matches(n, probe, stage.spec.ignore)]
         taken = [n for n in names if n in out]
         if taken:
@@ -132,30 +133,78 @@ def _tensors(ckpt: LazyCheckpoint, targets: dict, storage: torch.dtype,
              quantized: dict) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
     """Every tensor of the output: targeted weights quantized (their modules' state dicts); the rest as stored, given
     as None (the caller copies them piece by piece)."""
+    global_scales = _nvfp4_global_scales(ckpt, targets)
     for key in ckpt.keys():
         module = key.removesuffix(".weight")
         if not key.endswith(".weight") or module not in targets:
             yield key, None
             continue
-        algo, scheme = targets[module]
-        algo.scheme = scheme
         rows, cols = ckpt.info(key)[1]
-        step = chunk_rows(scheme, rows, cols)
+        step = chunk_rows(targets[module][1], rows, cols)
         parts: dict[str, list[torch.Tensor]] = {}
         for start in range(0, rows, step):  # rows are quantized independently: a block at a time, same bytes
-            stand = _Stand(ckpt.row_block(key, start, start + step).float())
-            qw = algo.quantize_layer({module: stand}, [[module]], storage)[module]
-            fmt = format_for(qw.scheme)
-            packed = fmt.build_module(qw, None)
-            keep = fixed_dtype_keys(packed)  # as the layer-by-layer export writes them (`checkpoints.export`)
-            for name, tensor in packed.state_dict().items():
-                parts.setdefault(name, []).append(tensor if name in keep else as_stored(tensor, storage))
-        quantized[module] = (fmt, qw.scheme)
+            fmt, scheme, state = _quantize_rows(ckpt.row_block(key, start, start + step), module, targets[module],
+                                                global_scales.get(module), storage)
+            for name, tensor in state.items():
+                parts.setdefault(name, []).append(tensor)
+        quantized[module] = (fmt, scheme)
         for name, pieces in parts.items():
-            if name == "weight_shape":
-                yield f"{module}.{name}", torch.tensor([rows, cols], dtype=pieces[0].dtype)
-            else:
-                yield f"{module}.{name}", pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            yield f"{module}.{name}", _joined(name, pieces, rows, cols, step)
+
+
+def _quantize_rows(w: torch.Tensor, module: str, target: tuple, global_scale: Optional[torch.Tensor],
+                   storage: torch.dtype) -> tuple:
+    """(format, scheme, state dict as exported) of rows w of a linear: the stage's own `quantize_layer`, or for NVFP4
+    the nearest rounding on the global scale of the linears reading the same input (as RTN computes it)."""
+    algo, scheme = target
+    if global_scale is not None:
+        qw = microscale.quantize_weight(w.float(), scheme, global_scale)
+        qw.input_global_scale = None
+    else:
+        algo.scheme = scheme
+        qw = algo.quantize_layer({module: _Stand(w.float())}, [[module]], storage)[module]
+    fmt = format_for(qw.scheme)
+    packed = fmt.build_module(qw, None)
+    keep = fixed_dtype_keys(packed)  # as the layer-by-layer export writes them (`checkpoints.export`)
+    return fmt, qw.scheme, {name: t if name in keep else as_stored(t, storage) for name, t in packed.state_dict().items()}
+
+
+def _joined(name: str, pieces: list[torch.Tensor], rows: int, cols: int, step: int) -> torch.Tensor:
+    """One tensor of a module quantized in row blocks: per-row tensors concatenated, per-tensor ones (NVFP4's global
+    scale) once, weight_shape the whole weight's."""
+    if name == "weight_shape":
+        return torch.tensor([rows, cols], dtype=pieces[0].dtype)
+    if len(pieces) == 1:
+        return pieces[0]
+    if pieces[0].dim() == 0 or pieces[0].shape[0] != min(step, rows):  # not one row per weight row
+        assert all(torch.equal(p, pieces[0]) for p in pieces), f"{name}: differs between row blocks"
+        return pieces[0]
+    return torch.cat(pieces)
+
+
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))  # siblings vLLM fuses
+
+
+def _nvfp4_global_scales(ckpt: LazyCheckpoint, targets: dict) -> dict[str, torch.Tensor]:
+    """For NVFP4 weights: each linear's global scale, that of the joint amax of the siblings reading the same input
+    (`SHARED_INPUTS` under one parent, as the architecture adapters group them), read a block of rows at a time."""
+    micro = [m for m, (_, s) in targets.items() if s.is_micro and s.micro_name == "nvfp4"]
+    groups: dict[tuple, list[str]] = {}
+    for m in micro:
+        parent, _, leaf = m.rpartition(".")
+        family = next((i for i, fam in enumerate(SHARED_INPUTS) if leaf in fam), None)
+        groups.setdefault((parent, family) if family is not None else (m, None), []).append(m)
+    out = {}
+    for members in groups.values():
+        amax = torch.zeros(())
+        for m in members:
+            rows, cols = ckpt.info(m + ".weight")[1]
+            step = max(1, CHUNK_BYTES // (4 * cols))
+            for start in range(0, rows, step):
+                amax = torch.maximum(amax, ckpt.row_block(m + ".weight", start, start + step).float().abs().amax())
+        g = microscale.nvfp4_global_scale(amax)
+        out.update({m: g for m in members})
+    return out
 
 
 def _layout(ckpt: LazyCheckpoint, targets: dict, storage: torch.dtype) -> Iterator[tuple[str, torch.dtype, tuple]]:
