@@ -113,18 +113,7 @@ def export_gguf(checkpoint: Path, out: Path, file_type: Optional[str] = None, ov
                 if hf_name.endswith("rotary_emb.inv_freq"):
                     continue
                 raise CheckpointError(f"{ckpt}: tensor {hf_name} has no GGUF name for {model_type}")
-            module = hf_name.removesuffix(".weight")
-            if module in schemes:
-                data, kind, exact = _quantized(tensors, module, schemes[module], gname, ftype, tied, config,
-                                               ckpt if requantize else None)
-                summary.exact += exact
-                if not exact:
-                    summary.requantized.append(gname)
-            else:
-                data, kind = _float(tensors.get(hf_name), hf_name, gname, ftype, tied, config, ckpt)
-                if kind not in ("F32", "F16"):
-                    summary.nearest.append(gname)
-            summary.types[kind] += 1
+            data, kind = _tensor(tensors, hf_name, gname, schemes, ftype, tied, config, ckpt, requantize, summary)
             writer.add_tensor(gname, data, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -138,6 +127,23 @@ def export_gguf(checkpoint: Path, out: Path, file_type: Optional[str] = None, ov
     summary.bytes = out.stat().st_size
     notify(summary.line())
     return summary
+
+
+def _tensor(tensors, hf_name, gname, schemes, ftype, tied, config, ckpt, requantize, summary):
+    """(data, ggml type) of one tensor of the file, counted in `summary`."""
+    module = hf_name.removesuffix(".weight")
+    if module in schemes:
+        data, kind, exact = _quantized(tensors, module, schemes[module], gname, ftype, tied, config,
+                                       ckpt if requantize else None)
+        summary.exact += exact
+        if not exact:
+            summary.requantized.append(gname)
+    else:
+        data, kind = _float(tensors.get(hf_name), hf_name, gname, ftype, tied, config, ckpt)
+        if kind not in ("F32", "F16"):
+            summary.nearest.append(gname)
+    summary.types[kind] += 1
+    return data, kind
 
 
 def _check_output(out: Path, overwrite: bool, source: Path) -> None:
