@@ -174,9 +174,18 @@ def test_pickle_weights_are_refused(tmp_path, tiny_llama):
 
 def test_unsupported_quant_method(exported):
     cfg = json.loads((exported / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "bitsandbytes"
+    (exported / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quantization method 'bitsandbytes' is not supported"):
+        quantkit.load(exported)
+    # GPTQ is read (tests/test_foreign_checkpoints.py), but not this config's layout, nor tensors without qweight
     cfg["quantization_config"]["quant_method"] = "gptq"
     (exported / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="quantization method 'gptq' is not supported"):
+    with pytest.raises(CheckpointError, match="checkpoint_format 'pack-quantized'"):
+        quantkit.load(exported)
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (exported / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"no tensor named \*\.qweight"):
         quantkit.load(exported)
 
 

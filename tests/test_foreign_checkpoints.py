@@ -307,20 +307,24 @@ def test_refusals_name_the_input_and_the_fix(rtn_checkpoints, tiny_models, tmp_p
 
 @pytest.mark.slow
 def test_smollm2_as_gptq_and_awq_scores_and_generates_as_the_original(smollm2_rtn64, emma_ppl, tmp_path):
-    """The real model's rtn-w4a16 g64 checkpoint exported as GPTQ (v1) and AWQ: quantkit reads each with the same
-    perplexity as the compressed-tensors original (the same weights), generates from it, and converts it back."""
+    """The real model's rtn-w4a16 g64 checkpoint exported as GPTQ (v1) and AWQ: quantkit reads the GPTQ one with the
+    same perplexity as the compressed-tensors original (the same weights) and generates from it; the AWQ one gives
+    the original's logits; both convert back to the original's tensors."""
     from quantkit.runtime.generate import generate
     from quantkit.runtime.sampling import SamplingParams
 
-    want = emma_ppl(smollm2_rtn64, 2)
-    for method in ("gptq", "awq"):
-        foreign = export_foreign(smollm2_rtn64, tmp_path / method, method, 1)
-        assert emma_ppl(foreign, 2) == want
-        model = quantkit.load(foreign, dtype=torch.float32)
-        tokenizer = quantkit.load_tokenizer(foreign)
-        out = generate(model, tokenizer, tokenizer("The capital of France is")["input_ids"],
-                       SamplingParams(max_new_tokens=8))
-        assert len(out.token_ids) > 0 and out.text.strip()
+    gptq = export_foreign(smollm2_rtn64, tmp_path / "gptq", "gptq", 1)
+    assert emma_ppl(gptq, 2) == emma_ppl(smollm2_rtn64, 2)
+    model = quantkit.load(gptq, dtype=torch.float32)
+    tokenizer = quantkit.load_tokenizer(gptq)
+    ids = tokenizer("The capital of France is")["input_ids"]
+    out = generate(model, tokenizer, ids, SamplingParams(max_new_tokens=8))
+    assert len(out.token_ids) > 0 and out.text.strip()
+    awq = export_foreign(smollm2_rtn64, tmp_path / "awq", "awq")
+    with torch.no_grad():
+        want = quantkit.load(smollm2_rtn64, dtype=torch.float32)(torch.tensor([ids])).logits
+        assert torch.equal(quantkit.load(awq, dtype=torch.float32)(torch.tensor([ids])).logits, want)
+    for method, foreign in (("gptq", gptq), ("awq", awq)):
         back = convert_foreign(foreign, tmp_path / f"{method}-ct", method)
         a, b = load_file(str(smollm2_rtn64 / "model.safetensors")), load_file(str(back / "model.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
