@@ -25,7 +25,8 @@ from quantkit.quant.intq import rtn
 from quantkit.quant.schemes import resolve_scheme
 
 RECIPES = [("rtn-w4a16", ["stages.0.scheme.group_size=32"]), ("rtn-w4a16-asym", ["stages.0.scheme.group_size=32"]),
-           ("fp8-dynamic", []), ("mxfp8", []), ("nvfp4a16", [])]
+           ("fp8-dynamic", []), ("mxfp8", []), ("nvfp4a16", []), ("rtn-w4a16", ["stages.0.scheme=MXFP4"])]
+IDS = ["rtn", "rtn-asym", "fp8", "mxfp8", "nvfp4a16", "mxfp4"]
 
 
 def _same_as_layer_by_layer(source, recipe, overrides, root):
@@ -41,14 +42,14 @@ def _same_as_layer_by_layer(source, recipe, overrides, root):
     return b
 
 
-@pytest.mark.parametrize("recipe,overrides", RECIPES, ids=[r for r, _ in RECIPES])
+@pytest.mark.parametrize("recipe,overrides", RECIPES, ids=IDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
 def test_byte_identical_to_the_layer_by_layer_job(tiny_models, tmp_path, arch, recipe, overrides):
     _same_as_layer_by_layer(tiny_models[arch], recipe, overrides, tmp_path)
 
 
 @pytest.mark.parametrize("recipe,overrides", RECIPES[:1] + RECIPES[2:] + [("fp8-dynamic", ["stages.0.scheme=FP8_BLOCK"])],
-                         ids=["rtn", "fp8", "mxfp8", "nvfp4a16", "fp8-block"])
+                         ids=IDS[:1] + IDS[2:] + ["fp8-block"])
 def test_byte_identical_a_block_of_rows_at_a_time(tiny_models, tmp_path, monkeypatch, recipe, overrides):
     """Weights quantized 32 rows at a time (128 for FP8 blocks): the same bytes as the whole tensor at once."""
     from quantkit.flow import model_free
@@ -71,7 +72,7 @@ def test_byte_identical_on_qwen2_and_moe(tiny_models, tokenizer, tmp_path_factor
     for name, source in sources.items():
         # (NVFP4 on MoE: the layer-by-layer job gives each expert's gate and up their own global scale, model-free
         # shares one as vLLM's fused w13 wants: not the same bytes, docs/known-limits.md)
-        for recipe, overrides in RECIPES[:1] + RECIPES[2:3] + (RECIPES[4:] if name == "qwen2" else []):
+        for recipe, overrides in RECIPES[:1] + RECIPES[2:3] + (RECIPES[4:5] if name == "qwen2" else []):
             out = _same_as_layer_by_layer(source, recipe, overrides, root / f"{name}-{recipe}")
             if name != "qwen2":  # routers stay as they were
                 tensors = load_file(str(out / "model.safetensors"))

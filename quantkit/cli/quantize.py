@@ -42,8 +42,9 @@ import click
 @click.option("--dist-timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="SECONDS",
               help="Distributed runs: how long a rank waits for the others before failing (a rank that died or hangs).")
 @click.option("--model-free", is_flag=True,
-              help="Quantize tensor by tensor from the safetensors files, building no model (data-free recipes: RTN, "
-                   "FP8 dynamic / block / weight-only, MXFP4 / MXFP8 with rtn); any architecture, memory of one tensor.")
+              help="Quantize tensor by tensor from the safetensors files, building no model (data-free recipes: rtn-*, "
+                   "nvfp4a16, mxfp8, fp8-dynamic, or rtn with --set stages.0.scheme=MXFP4 / FP8_BLOCK ...); any "
+                   "architecture, memory of one block of rows.")
 def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_nonfinite, load_mode, max_shard_size,
             trust_remote_code, device, activation_budget, no_memory_check, resume, restart, nproc, dist_timeout,
             model_free):
