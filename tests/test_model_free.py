@@ -70,13 +70,17 @@ def test_byte_identical_on_qwen2_and_moe(tiny_models, tokenizer, tmp_path_factor
                "mixtral": _save_tiny_moe(root / "mixtral", tokenizer, "mixtral", intermediate_size=32,
                                          num_local_experts=4)}
     for name, source in sources.items():
-        # (NVFP4 on MoE: the layer-by-layer job gives each expert's gate and up their own global scale, model-free
-        # shares one as vLLM's fused w13 wants: not the same bytes, docs/known-limits.md)
-        for recipe, overrides in RECIPES[:1] + RECIPES[2:3] + (RECIPES[4:5] if name == "qwen2" else []):
+        # NVFP4 on MoE: both paths share one global scale between each expert's gate and up (vLLM fuses them)
+        for recipe, overrides in RECIPES[:1] + RECIPES[2:3] + RECIPES[4:5]:
             out = _same_as_layer_by_layer(source, recipe, overrides, root / f"{name}-{recipe}")
             if name != "qwen2":  # routers stay as they were
                 tensors = load_file(str(out / "model.safetensors"))
                 assert any(k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")) for k in tensors)
+                if recipe == "nvfp4a16":  # one global scale for each expert's gate and up (w1 and w3)
+                    expert = next(k for k in tensors if ".experts.0." in k).split(".experts.0.")[0] + ".experts.0."
+                    gate, up = (("gate_proj", "up_proj") if name == "qwen3_moe" else ("w1", "w3"))
+                    assert torch.equal(tensors[f"{expert}{gate}.weight_global_scale"],
+                                       tensors[f"{expert}{up}.weight_global_scale"])
 
 
 def test_an_architecture_without_adapter(tokenizer, tmp_path):

@@ -73,6 +73,21 @@ def _glob(pattern: str, names: set[str]) -> list[str]:
     return [pattern.replace("*", star) for star in _stars(pattern, names)]
 
 
+# sibling linears (one parent) that read the same input, by leaf name: vLLM fuses them (qkv, gate_up / w13)
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+
+
+def sibling_groups(names: list[str]) -> list[list[str]]:
+    """`names` partitioned into input-sharing groups by name alone (`SHARED_INPUTS` under one parent, e.g. each
+    MoE expert's gate and up), the rest alone; in order of first appearance."""
+    groups: dict[tuple, list[str]] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        family = next((i for i, fam in enumerate(SHARED_INPUTS) if leaf in fam), None)
+        groups.setdefault((parent, family) if family is not None else (name, None), []).append(name)
+    return list(groups.values())
+
+
 LLAMA_SCALE_GROUPS = (
     ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
     ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),  # only where v's out == o's in

@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from quantkit.arch.adapter import sibling_groups
 from quantkit.checkpoints.atomic import atomic_output_dir, check_output_free
 from quantkit.checkpoints.export import as_stored, fixed_dtype_keys
 from quantkit.errors import QuantizationError
@@ -182,20 +183,12 @@ def _joined(name: str, pieces: list[torch.Tensor], rows: int, cols: int, step: i
     return torch.cat(pieces)
 
 
-SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))  # siblings vLLM fuses
-
-
 def _nvfp4_global_scales(ckpt: LazyCheckpoint, targets: dict) -> dict[str, torch.Tensor]:
     """For NVFP4 weights: each linear's global scale, that of the joint amax of the siblings reading the same input
-    (`SHARED_INPUTS` under one parent, as the architecture adapters group them), read a block of rows at a time."""
+    (`arch.adapter.sibling_groups`, as the layer-by-layer job groups them), read a block of rows at a time."""
     micro = [m for m, (_, s) in targets.items() if s.is_micro and s.micro_name == "nvfp4"]
-    groups: dict[tuple, list[str]] = {}
-    for m in micro:
-        parent, _, leaf = m.rpartition(".")
-        family = next((i for i, fam in enumerate(SHARED_INPUTS) if leaf in fam), None)
-        groups.setdefault((parent, family) if family is not None else (m, None), []).append(m)
     out = {}
-    for members in groups.values():
+    for members in sibling_groups(micro):
         amax = torch.zeros(())
         for m in members:
             rows, cols = ckpt.info(m + ".weight")[1]

@@ -24,7 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.algorithms.base import Algorithm, LayerContext
-from quantkit.arch.adapter import ArchitectureAdapter
+from quantkit.arch.adapter import ArchitectureAdapter, sibling_groups
 from quantkit.arch.moe import all_experts_see_tokens
 from quantkit.calibration.activations import Activations
 from quantkit.calibration.capture import LayerInputs, capture_layer_inputs, observe_layer, run_layer
@@ -206,14 +206,15 @@ def _by_scheme(groups: list[list[str]], scheme_of: dict[str, QuantScheme]) -> li
 
 
 def _groups(names: list[str], adapter: ArchitectureAdapter, prefix: str) -> list[list[str]]:
-    """Partition a layer's names into input-sharing groups as the adapter declares them."""
+    """Partition a layer's names into input-sharing groups as the adapter declares them; the rest by name
+    (`sibling_groups`: each MoE expert's gate and up share one, as vLLM fuses them)."""
     groups, seen = [], set()
     for rel_group in adapter.linear_groups:
         group = [prefix + r for r in rel_group if prefix + r in names]
         if group:
             groups.append(group)
             seen.update(group)
-    return groups + [[n] for n in names if n not in seen]
+    return groups + sibling_groups([n for n in names if n not in seen])
 
 
 def quantize_model(
