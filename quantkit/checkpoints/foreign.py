@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 import torch
 
 from quantkit.errors import CheckpointError
+from quantkit.checkpoints.quantization_config import quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.formats.pack_quantized import PackQuantized
 from quantkit.quant import foreign_layouts as layouts
@@ -94,15 +95,7 @@ class ForeignCheckpoint:
     def compressed_tensors_config(self) -> dict:
         """The equivalent compressed-tensors quantization_config (one group per scheme, modules named)."""
         fmt = PackQuantized()
-        by_scheme: dict[QuantScheme, list[str]] = {}
-        for module, scheme in self.schemes.items():
-            by_scheme.setdefault(scheme, []).append(module)
-        groups = {f"group_{i}": {"targets": sorted(names), "weights": fmt.weights_config(scheme),
-                                 "input_activations": None, "output_activations": None, "format": fmt.name}
-                  for i, (scheme, names) in enumerate(by_scheme.items())}
-        return {"quant_method": "compressed-tensors", "format": fmt.name, "quantization_status": "compressed",
-                "version": "0.19.0", "config_groups": groups, "ignore": [], "kv_cache_scheme": None,
-                "sparsity_config": {}, "transform_config": {}, "global_compression_ratio": None}
+        return quantization_config({m: (fmt, s) for m, s in self.schemes.items()}, [], name_targets=True)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor as compressed-tensors names and layout: the quantized modules' translated, the rest as

@@ -23,7 +23,7 @@ from quantkit.errors import CheckpointError
 from quantkit.formats.checkpoint import ShardWriter, copy_passthrough, read_config, write_json
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.quant import foreign_layouts as layouts
-from quantkit.quant.packing import unpack_int32
+from quantkit.formats.pack_quantized import read_int_weight
 from quantkit.version import __version__
 
 PACKED = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
@@ -134,14 +134,8 @@ def _exported(ckpt: LazyCheckpoint, schemes: dict, method: str, gptq_version: in
 
 
 def _codes(ckpt: LazyCheckpoint, module: str, scheme) -> layouts.IntCodes:
-    out, inp = (int(v) for v in ckpt.get(f"{module}.weight_shape"))
-    bits = scheme.num_bits
-    q = unpack_int32(ckpt.get(f"{module}.weight_packed"), bits, inp, dim=1)
-    zp = None
-    if f"{module}.weight_zero_point" in ckpt:
-        zp = unpack_int32(ckpt.get(f"{module}.weight_zero_point"), bits, out, dim=0)
-    g_idx = ckpt.get(f"{module}.weight_g_idx").to(torch.int32) if f"{module}.weight_g_idx" in ckpt else None
-    return layouts.IntCodes(q, ckpt.get(f"{module}.weight_scale"), zp, g_idx, bits)
+    codes, scale, zp, g_idx = read_int_weight(ckpt, module, scheme)
+    return layouts.IntCodes(codes, scale, zp, g_idx, scheme.num_bits)
 
 
 def _write(src: Path, out: Path, tensors, config: dict, overwrite: bool, provenance: dict) -> None:

@@ -28,12 +28,20 @@ def build_quantization_config(model: nn.Module, quantized: dict[str, tuple[Quant
     """config.json's quantization_config for a model whose modules in `quantized` are quantized
     (and whose attention modules hold k_scale / v_scale when kv_cache_scheme is given)."""
     ckpt = checkpoint_namer(model)  # config names are checkpoint names (Mixtral: block_sparse_moe.*)
+    ignore = [ckpt(n) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized] if quantized else []
+    return quantization_config({ckpt(n): q for n, q in quantized.items()}, ignore, kv_cache_scheme)
+
+
+def quantization_config(quantized: dict[str, tuple[QuantFormat, QuantScheme]], ignore: list[str],
+                        kv_cache_scheme: dict | None = None, name_targets: bool = False) -> dict:
+    """The quantization_config of modules `quantized` (checkpoint names -> (format, scheme)), one config group per
+    (format, scheme): targets `Linear` when there is one group (unless `name_targets`), else the modules' names."""
     by_group: dict[tuple[str, QuantScheme], list[str]] = {}
     formats_by_name = {}
     for name, (fmt, scheme) in quantized.items():
-        by_group.setdefault((fmt.name, scheme), []).append(ckpt(name))
+        by_group.setdefault((fmt.name, scheme), []).append(name)
         formats_by_name[fmt.name] = fmt
-    single = len(by_group) == 1
+    single = len(by_group) == 1 and not name_targets
     groups = {}
     for i, ((fmt_name, scheme), names) in enumerate(sorted(by_group.items(), key=lambda kv: kv[1][0])):
         groups[f"group_{i}"] = {
@@ -43,7 +51,6 @@ def build_quantization_config(model: nn.Module, quantized: dict[str, tuple[Quant
             "output_activations": None,
             "format": fmt_name,
         }
-    ignore = [ckpt(n) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized] if quantized else []
     formats = {fmt for fmt, _ in by_group}
     return {
         "quant_method": QUANT_METHOD,

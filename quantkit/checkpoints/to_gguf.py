@@ -30,12 +30,12 @@ from quantkit.errors import CheckpointError, OutputExistsError
 from quantkit.formats.checkpoint import read_config
 from quantkit.checkpoints.quantization_config import parse_quantization_config
 from quantkit.formats.lazy import LazyCheckpoint
+from quantkit.formats.pack_quantized import read_int_weight
 from quantkit.gguf import grids, metadata, mixture
 from quantkit.quant import ggml_blocks as blocks
 from quantkit.quant import ggml
 from quantkit.quant.ggml import KIND
 from quantkit.quant.intq import dequantize, dequantize_columns, rtn
-from quantkit.quant.packing import unpack_int32
 from quantkit.quant.schemes import PRESETS, QuantScheme
 
 log = logging.getLogger(__name__)
@@ -200,29 +200,15 @@ def _tensor_names(where: LazyCheckpoint, schemes: dict) -> list[str]:
     return names
 
 
-def _codes(tensors: LazyCheckpoint, module: str, scheme: QuantScheme):
-    scale = tensors.get(module + ".weight_scale")
-    if module + ".weight_packed" in tensors:
-        rows, cols = (int(v) for v in tensors.get(module + ".weight_shape"))
-        codes = unpack_int32(tensors.get(module + ".weight_packed"), scheme.num_bits, cols, dim=1)
-    else:
-        codes = tensors.get(module + ".weight")
-        rows, cols = codes.shape
-    zp = None
-    if not scheme.symmetric:
-        zp = unpack_int32(tensors.get(module + ".weight_zero_point"), scheme.num_bits, rows, dim=0)
-    return codes, scale, zp
-
-
 def _quantized(tensors, module, scheme, gname, ftype, tied, config, requantize_from: Optional[Path] = None):
     """(rows of blocks, ggml type, written exactly) of a quantized linear: its own codes on the GGUF grid that holds
     them, or (`requantize_from`: the checkpoint) rounded again to nearest on the type its tensor gets."""
     if ggml.is_block_grid(scheme):
         return (*_blocks_as_stored(tensors, module, scheme, gname, ftype, tied, config), True)
-    codes, scale, zp = _codes(tensors, module, scheme)
+    codes, scale, zp, g_idx = read_int_weight(tensors, module, scheme)
     want = mixture.tensor_type(gname, tuple(codes.shape), ftype, tied, config["num_hidden_layers"])
     try:
-        raw, have = _exact_blocks(tensors, module, scheme, codes, scale, zp)
+        raw, have = _exact_blocks(module, scheme, codes, scale, zp, g_idx)
         if have != want and not {have, want} <= {"Q4_0", "Q4_1"}:
             raise CheckpointError(f"{module} ({gname}) is stored as {scheme.short()}, but GGUF file type {ftype} puts "
                                   f"{want} there; quantize it with a {want.lower()} scheme or export as "
@@ -230,15 +216,14 @@ def _quantized(tensors, module, scheme, gname, ftype, tied, config, requantize_f
     except CheckpointError as exc:
         if requantize_from is None:
             raise CheckpointError(f"{exc}; or pass --requantize to round it again to nearest (listed)") from None
-        g_idx = tensors.get(module + ".weight_g_idx").long() if module + ".weight_g_idx" in tensors else None
-        w = dequantize_columns(codes, scale, zp, g_idx) if g_idx is not None else dequantize(codes, scale, zp, scheme)
+        w = dequantize_columns(codes, scale, zp, g_idx.long()) if g_idx is not None else dequantize(codes, scale, zp, scheme)
         return (*_float(w, module + ".weight", gname, ftype, tied, config, requantize_from), False)
     return _rows(raw, module + ".weight", config), have, True
 
 
-def _exact_blocks(tensors, module, scheme, codes, scale, zp) -> tuple[np.ndarray, str]:
+def _exact_blocks(module, scheme, codes, scale, zp, g_idx) -> tuple[np.ndarray, str]:
     """The blocks holding an int weight exactly (Q8_0; Q4_0 for zero points 0 / -1, else Q4_1), or CheckpointError."""
-    if grids.ggml_type_of(scheme) is None or module + ".weight_g_idx" in tensors:
+    if grids.ggml_type_of(scheme) is None or g_idx is not None:
         raise CheckpointError(f"{module}: {scheme.short()} is on no GGUF grid (GGUF holds int4 and int8 in contiguous "
                               "groups of 32 with fp16 scales)")
     if scheme.num_bits == 8:

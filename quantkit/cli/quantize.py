@@ -65,15 +65,7 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
 
     recipe = load_recipe(recipe_name, list(overrides))  # a bad recipe fails here, before any process starts
     if model_free:
-        from quantkit.checkpoints.resolve import resolve_model
-        from quantkit.flow.job import default_output
-        from quantkit.flow.model_free import quantize_model_free
-
-        source = resolve_model(model)
-        out = quantize_model_free(source, recipe, Path(output) if output else default_output(source, recipe),
-                                  overwrite, notify=click.echo)
-        click.echo(f"Wrote {out}")
-        return
+        return _model_free(model, recipe, output, overwrite)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         raise SystemExit(_launch(nproc))
     if nproc > 1 and int(os.environ["WORLD_SIZE"]) != nproc:
@@ -87,6 +79,23 @@ def command(model, recipe_name, output, overrides, overwrite, no_progress, zero_
                       memory_check=not no_memory_check, resume=resume, restart=restart, dist_timeout_s=dist_timeout)
     if int(os.environ.get("RANK", "0")) != 0:
         return  # rank 0 reports for a distributed run
+    _print_summary(report, recipe)
+
+
+def _model_free(model, recipe, output, overwrite: bool) -> None:
+    """--model-free: the recipe tensor by tensor over the shards (`flow.model_free`)."""
+    from quantkit.checkpoints.resolve import resolve_model
+    from quantkit.flow.job import default_output
+    from quantkit.flow.model_free import quantize_model_free
+
+    source = resolve_model(model)
+    out = quantize_model_free(source, recipe, Path(output) if output else default_output(source, recipe),
+                              overwrite, notify=click.echo)
+    click.echo(f"Wrote {out}")
+
+
+def _print_summary(report, recipe) -> None:
+    """What a quantize run did: layers, SQNR, the calibrated stages' error ratios, fallbacks, where it wrote."""
     layers = report.result.layers
     click.echo(f"Quantized {len(layers)} linear layers of {report.source} with recipe {recipe.name} "
                f"in {report.seconds:.1f} s")

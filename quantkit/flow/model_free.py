@@ -36,7 +36,7 @@ from quantkit.flow.recipe import Recipe
 from quantkit.formats.checkpoint import PASSTHROUGH_FILES, ShardWriter, checkpoint_dtype, read_config, write_json
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.formats.targets import matches
-from quantkit.checkpoints.quantization_config import FORMAT_VERSION, QUANT_METHOD
+from quantkit.checkpoints.quantization_config import quantization_config
 from quantkit.plugins.catalog import format_for
 from quantkit.quant import microscale
 from quantkit.version import __version__
@@ -115,7 +115,7 @@ def quantize_model_free(source: Path, recipe: Recipe, out: Path, overwrite: bool
             else:
                 writer.add(key, tensor)
         writer.close()
-        config = {**raw, "quantization_config": _config(quantized, ckpt, recipe, vocab)}
+        config = {**raw, "quantization_config": _config(quantized, ckpt, recipe)}
         write_json(tmp / "config.json", config)
         for name in PASSTHROUGH_FILES:
             if (source / name).is_file():
@@ -231,25 +231,10 @@ def chunk_rows(scheme, rows: int, cols: int) -> int:
     return max(align, CHUNK_BYTES // (4 * cols) // align * align)
 
 
-def _config(quantized: dict, ckpt: LazyCheckpoint, recipe: Recipe, vocab: int | None) -> dict:
+def _config(quantized: dict, ckpt: LazyCheckpoint, recipe: Recipe) -> dict:
     """compressed-tensors' quantization_config, grouped as the layer-by-layer job groups it."""
-    by_group: dict[tuple, list[str]] = {}
-    formats = {}
-    for name, (fmt, scheme) in quantized.items():
-        by_group.setdefault((fmt.name, scheme), []).append(name)
-        formats[fmt.name] = fmt
-    single = len(by_group) == 1
-    groups = {f"group_{i}": {"targets": ["Linear"] if single else sorted(names),
-                             "weights": formats[f].weights_config(scheme),
-                             "input_activations": formats[f].activations_config(scheme),
-                             "output_activations": None, "format": f}
-              for i, ((f, scheme), names) in enumerate(sorted(by_group.items(), key=lambda kv: kv[1][0]))}
     # every linear-shaped weight left as stored (heads, routers: loaders must not treat them as quantized Linears)
     linears = [k.removesuffix(".weight") for k in ckpt.keys() if _is_linear(k, *ckpt.info(k), None, routers=True)]
     ignore = sorted({n for n in linears if n not in quantized}
                     | {p for s in recipe.stages for p in s.ignore if not p.startswith("re:")})
-    kinds = {f for f, _ in by_group}
-    return {"quant_method": QUANT_METHOD, "format": kinds.pop() if len(kinds) == 1 else "mixed-precision",
-            "quantization_status": "compressed", "version": FORMAT_VERSION, "config_groups": groups,
-            "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
-            "global_compression_ratio": None}
+    return quantization_config(quantized, ignore)

@@ -8,7 +8,7 @@ from torch import nn
 from quantkit.errors import CheckpointError
 from quantkit.formats.base import QuantFormat
 from quantkit.quant.intq import QuantizedWeight
-from quantkit.quant.packing import SUPPORTED_BITS
+from quantkit.quant.packing import SUPPORTED_BITS, unpack_int32
 from quantkit.core.registry import FORMATS
 from quantkit.qmodules.int_linear import PackedIntLinear
 from quantkit.quant.schemes import QuantScheme
@@ -70,6 +70,23 @@ class PackQuantized(QuantFormat):
             )
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"{where}: {exc}") from None
+
+
+def read_int_weight(ckpt, module: str, scheme: QuantScheme):
+    """(codes [out, in] int8, scale, zero points or None, g_idx or None) of int linear `module` as a checkpoint
+    stores it (`ckpt`: a LazyCheckpoint): pack-quantized's packed words, or int-quantized's int8 `weight`."""
+    scale = ckpt.get(module + ".weight_scale")
+    if module + ".weight_packed" in ckpt:
+        rows, cols = (int(v) for v in ckpt.get(module + ".weight_shape"))
+        codes = unpack_int32(ckpt.get(module + ".weight_packed"), scheme.num_bits, cols, dim=1)
+    else:
+        codes = ckpt.get(module + ".weight")
+        rows, cols = codes.shape
+    zp = None
+    if not scheme.symmetric:
+        zp = unpack_int32(ckpt.get(module + ".weight_zero_point"), scheme.num_bits, rows, dim=0)
+    g_idx = ckpt.get(module + ".weight_g_idx").to(torch.int32) if module + ".weight_g_idx" in ckpt else None
+    return codes, scale, zp, g_idx
 
 
 def _actorder(value) -> str | None:
