@@ -13,6 +13,8 @@ chose, and why, is read back from its quantkit.json. The recipes run as shipped 
 `quantkit eval compare` pass per (model, policy) scores all its checkpoints against the original in
 float32 (the same scoring for both policies, so the two columns compare the checkpoints, not the scorer);
 checkpoints with FP8 KV-cache scales are scored in a second pass through their FP8 cache.
+With `--generate N`, each checkpoint also generates N greedy tokens from one prompt (`quantkit generate`), and the
+table shows the start of the text (a failed or empty generation counts as a failed run).
 Prints the CPU line, one table per model and the largest perplexity gap between the policies; exits 1
 if any run failed.
 """
@@ -84,6 +86,17 @@ def quantize(model: str, recipe: str, policy: str, out: Path, samples: int, seq_
 
 
 PER_PASS = 6
+PROMPT = "It is a truth universally acknowledged that"
+
+
+def generate(ckpt: Path, tokens: int) -> tuple[bool, str]:
+    """(whether `quantkit generate` ran and produced text, the text or the error's last line)."""
+    cmd = [sys.executable, "-m", "quantkit", "generate", str(ckpt), PROMPT, "--max-new-tokens", str(tokens)]
+    proc = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+    text = proc.stdout.strip()
+    if proc.returncode != 0 or not text:
+        return False, (proc.stderr.strip().splitlines() or [f"rc {proc.returncode}"])[-1]
+    return True, " ".join(text.split())
 
 
 def has_kv_scales(ckpt: Path) -> bool:
@@ -128,6 +141,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/recipe-matrix"))
     parser.add_argument("--reuse", action="store_true",
                         help="keep finished outputs of an earlier invocation (their time: quantkit.json's quantize_seconds)")
+    parser.add_argument("--generate", type=int, default=0, metavar="N",
+                        help="also generate N greedy tokens from each checkpoint (shown in the table)")
     parser.add_argument("--awq-grid", type=int, default=0,
                         help="n_grid for recipes with an awq stage (default: as shipped, 20); fewer is faster")
     args = parser.parse_args()
@@ -151,6 +166,7 @@ def main() -> None:
         source = str(resolve_model(model))
         results: dict[tuple[str, str], tuple[bool, float, str]] = {}
         scores: dict[str, dict] = {}
+        texts: dict[tuple[str, str], str] = {}
         for policy in policies:
             work = args.work / model / policy
             work.mkdir(parents=True, exist_ok=True)
@@ -161,6 +177,11 @@ def main() -> None:
                                           extra_overrides(recipe, args.awq_grid), args.reuse)
                 results[policy, recipe] = (ok, took, info)
                 print(f"{model} {policy} {recipe}: {'ok' if ok else 'FAILED'} {took:.1f} s {info}", flush=True)
+                if ok and args.generate:
+                    generated, text = generate(out, args.generate)
+                    texts[policy, recipe] = text if generated else f"FAILED: {text}"
+                    print(f"  generate: {'ok' if generated else 'FAILED'}: {text[:200]}", flush=True)
+                    failed += not generated
                 if ok:
                     done.append(out)
                 else:
@@ -170,9 +191,10 @@ def main() -> None:
         base = next(iter(scores.values()), {}).get(source)
         print(f"\n{model} (original ppl {base['ppl']:.3f})" if base else f"\n{model}")
         dtypes = {p: sorted({r[2].split()[0] for (q, _), r in results.items() if q == p and r[0]}) for p in policies}
-        head = " | ".join(f"{p} ({'/'.join(dtypes[p])}) s | ppl | KLD" for p in policies)
+        head = " | ".join(f"{p} ({'/'.join(dtypes[p])}) s | ppl | KLD" + (" | text" if args.generate else "")
+                          for p in policies)
         print(f"| recipe | {head} |")
-        print("|---" * (1 + 3 * len(policies)) + "|")
+        print("|---" * (1 + (4 if args.generate else 3) * len(policies)) + "|")
         gap = (0.0, "")
         for recipe in recipes:
             cells = []
@@ -180,11 +202,12 @@ def main() -> None:
             for policy in policies:
                 ok, took, info = results[policy, recipe]
                 row = scores.get(policy, {}).get(str(args.work / model / policy / recipe)) if ok else None
+                text = [texts.get((policy, recipe), "-")[:60].replace("|", "/")] if args.generate else []
                 if row is None:
-                    cells += [f"{took:.0f}", "FAILED" if not ok else "-", "-"]
+                    cells += [f"{took:.0f}", "FAILED" if not ok else "-", "-", *text]
                     continue
                 ppls.append(row["ppl"])
-                cells += [f"{took:.0f}", f"{row['ppl']:.3f}", f"{row.get('kld_mean', float('nan')):.4f}"]
+                cells += [f"{took:.0f}", f"{row['ppl']:.3f}", f"{row.get('kld_mean', float('nan')):.4f}", *text]
             if len(ppls) == 2 and abs(ppls[0] / ppls[1] - 1) > gap[0]:
                 gap = (abs(ppls[0] / ppls[1] - 1), recipe)
             kv = any(r.get("fp8_kv") for r in (scores.get(p, {}).get(str(args.work / model / p / recipe)) or {}

@@ -23,6 +23,8 @@ RECIPES = {
     # input scales from the mse observer over a random sample of each linear's inputs, and KV scales
     "fp8-static-kv": ("fp8-static-kv", [*SMALL, "stages.0.scheme.input_activations={strategy: tensor, observer: mse}",
                                          "stages.0.args.mse_samples=1024"]),
+    # an online rotation before down_proj: the resumed run's config must still record the earlier layers'
+    "r4": ("rotated-mxfp4", ["stages.0.args.down_proj_online=32", "stages.1.scheme=W8A16", *SMALL]),
 }
 
 
@@ -60,7 +62,8 @@ def reference(tiny_models, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch,key", [("llama", "awq"), ("llama", "fp8-static-kv"), ("gemma3_text", "gptq")])
+@pytest.mark.parametrize("arch,key", [("llama", "awq"), ("llama", "fp8-static-kv"), ("gemma3_text", "gptq"),
+                                      ("llama", "r4")])
 def test_stopped_then_resumed_equals_uninterrupted(arch, key, tiny_models, reference, tmp_path, monkeypatch):
     out = tmp_path / "q"
     said = []

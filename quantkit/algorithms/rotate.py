@@ -13,6 +13,13 @@ head is rotated by R (v_proj R^T W per head) and o_proj's columns undo it per he
 unchanged up to float rounding (tested); no online rotation is added, so the checkpoint is an ordinary one
 that every loader runs. The maths is in `quantkit.quant.rotation`.
 
+With `down_proj_online: B` each down_proj also gets SpinQuant's R4: its weight becomes W H (H block-diagonal,
+normalized Hadamard blocks of B) and its input is rotated by H at run time (`qmodules.online_rotation`), before
+the activations are quantized: no offline fusion can rotate the MLP's intermediate activations. The checkpoint
+records it as compressed-tensors' transform_config (as llm-compressor's SpinQuant R4 does), which vLLM and
+`quantkit.load` apply. `residual: false` leaves out the rotations of the residual stream (and the norm folding), so
+R4 (and the per-head rotations) run on any architecture, Gemma included.
+
 Architectures: the Llama family with plain RMSNorms (llama, mistral, qwen2, qwen3). Gemma's norms on the
 attention and MLP outputs do not commute with a rotation of the stream; MoE routers are not handled: both
 are refused.
@@ -29,6 +36,7 @@ from torch import nn
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig, LayerContext
 from quantkit.core.registry import ALGORITHMS
 from quantkit.errors import QuantizationError
+from quantkit.qmodules import online_rotation
 from quantkit.quant import rotation
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -41,8 +49,11 @@ class RotateConfig(AlgorithmConfig):
     # null: one rotation of the whole hidden size; a power of two: Hadamard blocks of that many channels (rotations
     # kept inside quantization groups, e.g. 32 for MX formats)
     block_size: Optional[int] = Field(None, ge=2)
+    residual: bool = True  # rotate the residual stream (R1; folds the norms): the Llama family only
+    # a power of two: an online Hadamard of blocks of this many channels before each down_proj (R4)
+    down_proj_online: Optional[int] = Field(None, ge=2)
 
-    @field_validator("block_size")
+    @field_validator("block_size", "down_proj_online")
     @classmethod
     def _power_of_two(cls, v):
         if v is not None and v & (v - 1):
@@ -81,10 +92,13 @@ class Rotate(Algorithm):
 
     @torch.no_grad()
     def transform_model(self, model: nn.Module, adapter) -> None:
+        if not self.config.residual:
+            return
         model_type = model.config.model_type
         if model_type not in SUPPORTED or adapter.norm_weight_offset != 0.0:
             raise QuantizationError(f"the rotate stage supports {', '.join(SUPPORTED)} (plain RMSNorms, no MoE "
-                                    f"router); {model_type!r} is not supported: drop the rotate stage")
+                                    f"router); {model_type!r} is not supported: drop the rotate stage, or set "
+                                    "residual: false (the per-head and down_proj_online rotations alone)")
         q, _ = self._rotations(model.config)
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         norm = model.model.norm
@@ -102,6 +116,20 @@ class Rotate(Algorithm):
         config = _config_of(ctx)
         q, r = self._rotations(config)
         attn, mlp = layer.self_attn, layer.mlp
+        if self.config.residual:
+            self._residual(layer, q)
+        if self.config.heads:
+            self._heads(attn, r)
+        if self.config.down_proj_online:
+            self._online_down(ctx, mlp)
+        kinds = [k for k, on in (("hadamard", self.config.residual), ("heads", self.config.heads)) if on]
+        for name in ctx.linears:
+            self.report.setdefault(name, {})["rotated"] = " + ".join(kinds) or "none"
+
+    @staticmethod
+    def _residual(layer: nn.Module, q: torch.Tensor) -> None:
+        """R1: the norms folded into their readers, which read h Q; o_proj and down_proj write Q^T."""
+        attn, mlp = layer.self_attn, layer.mlp
         for norm, readers in ((layer.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj)),
                               (layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))):
             for lin in readers:
@@ -112,16 +140,32 @@ class Rotate(Algorithm):
             lin.weight.data = rotation.rotate_output(lin.weight.data, q)
             if lin.bias is not None:
                 lin.bias.data = rotation.rotate_vector(lin.bias.data, q)
-        if self.config.heads:
-            head_dim = r.shape[0]
-            kv = rotation.per_head(r, attn.v_proj.out_features // head_dim)
-            attn.v_proj.weight.data = rotation.rotate_output(attn.v_proj.weight.data, kv)
-            if attn.v_proj.bias is not None:
-                attn.v_proj.bias.data = rotation.rotate_vector(attn.v_proj.bias.data, kv)
-            attn.o_proj.weight.data = rotation.rotate_input(attn.o_proj.weight.data,
-                                                            rotation.per_head(r, attn.o_proj.in_features // head_dim))
-        for name in ctx.linears:
-            self.report[name] = {"rotated": "hadamard" + (" + heads" if self.config.heads else "")}
+
+    @staticmethod
+    def _heads(attn: nn.Module, r: torch.Tensor) -> None:
+        """R2: each value head rotated by R (v_proj), o_proj's columns undoing it per head."""
+        head_dim = r.shape[0]
+        kv = rotation.per_head(r, attn.v_proj.out_features // head_dim)
+        attn.v_proj.weight.data = rotation.rotate_output(attn.v_proj.weight.data, kv)
+        if attn.v_proj.bias is not None:
+            attn.v_proj.bias.data = rotation.rotate_vector(attn.v_proj.bias.data, kv)
+        attn.o_proj.weight.data = rotation.rotate_input(attn.o_proj.weight.data,
+                                                        rotation.per_head(r, attn.o_proj.in_features // head_dim))
+
+    def _online_down(self, ctx: LayerContext, mlp: nn.Module) -> None:
+        """R4: down_proj's weight W H and its input rotated by H at run time."""
+        block = self.config.down_proj_online
+        down = getattr(mlp, "down_proj", None)
+        if not isinstance(down, nn.Linear):
+            raise QuantizationError(f"{ctx.prefix}: down_proj_online needs an MLP with one down_proj linear (MoE "
+                                    "experts are not handled): drop down_proj_online")
+        if down.in_features % block:
+            raise QuantizationError(f"{ctx.prefix}mlp.down_proj: down_proj_online {block} does not divide its "
+                                    f"{down.in_features} inputs; use a power of two that does")
+        down.weight.data = rotation.rotate_input_blocks(down.weight.data, block)
+        online_rotation.attach(down, block)
+        name = f"{ctx.prefix}mlp.down_proj"
+        self.report.setdefault(name, {})["online_rotation"] = block
 
 
 def _config_of(ctx: LayerContext):

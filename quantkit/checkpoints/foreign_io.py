@@ -18,7 +18,7 @@ from torch import nn
 
 from quantkit.checkpoints import foreign as foreign_ckpt
 from quantkit.checkpoints.atomic import atomic_output_dir, check_output_free
-from quantkit.checkpoints.quantization_config import parse_quantization_config
+from quantkit.checkpoints.quantization_config import parse_quantization_config, refuse_transforms
 from quantkit.errors import CheckpointError
 from quantkit.formats.checkpoint import ShardWriter, copy_passthrough, read_config, write_json
 from quantkit.formats.lazy import LazyCheckpoint
@@ -66,6 +66,7 @@ def export_foreign(src: Path, out: Path, method: str, gptq_version: int = 1, ove
         raise CheckpointError(f"{src}: not a compressed-tensors quantized checkpoint (its config.json has "
                               f"{'no quantization_config' if not qc else repr(qc.get('quant_method'))}); quantize it "
                               f"first, e.g. quantkit quantize {src} --recipe gptq-w4a16")
+    refuse_transforms(qc, str(src), f"the {method.upper()} format")
     check_output_free(out, overwrite, protect=[src])
     plan = parse_quantization_config(qc, f"{src}/config.json")
     ckpt = LazyCheckpoint(src)

@@ -33,6 +33,7 @@ from quantkit.kernels.select import forced_kernel
 from quantkit.kernels.wide_matmul import wrap_forward
 from quantkit.qmodules.fp8_linear import plan_dense_cache
 from quantkit.qmodules.kv import attention_modules
+from quantkit.qmodules import online_rotation
 from quantkit.runtime import offload as offload_mod
 from quantkit.runtime import decode_plan
 from quantkit.runtime.state import RuntimeState
@@ -130,6 +131,11 @@ def _skeleton(path: Path, config, plan: Optional[QuantizedLayout], dtype: torch.
             raise CheckpointError(f"{path}: transformers cannot build this model: {exc}") from None
     unfuse_experts(model)  # MoE: one linear per expert, named as in the checkpoint
     quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
+    transforms = (read_config(path).get("quantization_config") or {}).get("transform_config")
+    try:
+        online_rotation.attach_from_config(model, transforms, checkpoint_namer(model))
+    except ValueError as exc:
+        raise CheckpointError(f"{path}/config.json: {exc}") from None
     if plan and plan.kv_cache_strategy:
         _add_kv_scale_slots(model, plan.kv_cache_strategy)
     return model, find_adapter(config.model_type), quantized
@@ -169,6 +175,10 @@ def _fill(model: nn.Module, path: Path, adapter, quantized: set[str], choice: co
     else:
         _assign_tensors(model, path, quantized, dtype, to_module, foreign.tensors() if foreign else None, own=own,
                         finite=finite)
+    try:
+        online_rotation.check_matrices(model)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
     if where.is_accelerator:
         offload_mod.move_resident(model, where.device)  # offloaded slots stay on meta until their layer runs
     return offloading

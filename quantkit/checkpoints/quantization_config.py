@@ -15,6 +15,7 @@ from torch import nn
 from quantkit.errors import CheckpointError, UnknownNameError
 from quantkit.formats.base import QuantFormat
 from quantkit.plugins.catalog import checkpoint_namer, quant_format
+from quantkit.qmodules import online_rotation
 from quantkit.quant.schemes import QuantScheme
 from quantkit.formats.targets import matches
 
@@ -24,12 +25,26 @@ FORMAT_VERSION = "0.19.0"  # the compressed-tensors release whose layout we writ
 
 
 def build_quantization_config(model: nn.Module, quantized: dict[str, tuple[QuantFormat, QuantScheme]],
-                              kv_cache_scheme: dict | None = None) -> dict:
+                              kv_cache_scheme: dict | None = None, rows: list[dict] | None = None) -> dict:
     """config.json's quantization_config for a model whose modules in `quantized` are quantized
-    (and whose attention modules hold k_scale / v_scale when kv_cache_scheme is given)."""
+    (and whose attention modules hold k_scale / v_scale when kv_cache_scheme is given), with the transform_config
+    of its online rotations (the model's, and those the run's report `rows` name: a resumed run's earlier layers)."""
     ckpt = checkpoint_namer(model)  # config names are checkpoint names (Mixtral: block_sparse_moe.*)
     ignore = [ckpt(n) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized] if quantized else []
-    return quantization_config({ckpt(n): q for n, q in quantized.items()}, ignore, kv_cache_scheme)
+    config = quantization_config({ckpt(n): q for n, q in quantized.items()}, ignore, kv_cache_scheme)
+    online = {**{r["name"]: r["online_rotation"] for r in rows or [] if r.get("online_rotation")},
+              **online_rotation.rotated(model)}
+    config["transform_config"] = online_rotation.transform_config({ckpt(n): b for n, b in online.items()}) or {}
+    return config
+
+
+def refuse_transforms(qc: dict | None, where: str, target: str) -> None:
+    """A checkpoint with online rotations (transform_config) cannot become a format that cannot record them."""
+    groups = ((qc or {}).get("transform_config") or {}).get("config_groups") or {}
+    if groups:
+        raise CheckpointError(f"{where}: its linears need online rotations at run time (transform_config: "
+                              f"{', '.join(groups)}), which {target} cannot record; quantize the original without "
+                              "the rotate stage's down_proj_online for this format")
 
 
 def quantization_config(quantized: dict[str, tuple[QuantFormat, QuantScheme]], ignore: list[str],

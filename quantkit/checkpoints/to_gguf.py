@@ -28,7 +28,7 @@ from torch import nn
 
 from quantkit.errors import CheckpointError, OutputExistsError
 from quantkit.formats.checkpoint import read_config
-from quantkit.checkpoints.quantization_config import parse_quantization_config
+from quantkit.checkpoints.quantization_config import parse_quantization_config, refuse_transforms
 from quantkit.formats.lazy import LazyCheckpoint
 from quantkit.formats.pack_quantized import read_int_weight
 from quantkit.gguf import grids, metadata, mixture
@@ -166,6 +166,7 @@ def _linear_schemes(config: dict, where: LazyCheckpoint) -> dict[str, QuantSchem
     qc = config.get("quantization_config")
     if not qc:
         return {}
+    refuse_transforms(qc, "the checkpoint", "GGUF")
     plan = parse_quantization_config(qc, "quantization_config")
     if plan.kv_cache_strategy:
         log.info("KV-cache scales are not carried into GGUF (llama.cpp calibrates no KV cache)")

@@ -36,6 +36,7 @@ from quantkit.platform.memory import release_free_memory
 from quantkit.quant.ggml import is_block_grid
 from quantkit.quant.intq import sqnr_db
 from quantkit.flow.layer_schemes import layer_schemes
+from quantkit.qmodules import online_rotation
 from quantkit.flow.recipe import Recipe, StageSpec
 from quantkit.quant.schemes import QuantScheme
 from quantkit.formats.targets import select_linears
@@ -477,6 +478,7 @@ def _pack(stage: Stage, linears: dict[str, nn.Module], quantized: dict, notes: d
         fmt = format_for(qw.scheme)
         linear = linears[name]
         packed[name] = fmt.build_module(qw, linear.bias)
+        online_rotation.carry(linear, packed[name])  # an online input rotation (the rotate stage's R4) goes along
         dequantized = qw.dequantize(linear.weight.dtype)  # what the packed module computes, without unpacking it
         result.quantized[name] = (fmt, qw.scheme)
         result.layers.append({

@@ -30,7 +30,7 @@ def write_whole(model: nn.Module, record: QuantizeRecord, out: Path, *, overwrit
     source = record.source
     return export_checkpoint(
         model, Path(out), storage_dtype=record.storage_dtype, source=source,
-        quantization_config=build_quantization_config(model, result.quantized, result.kv_cache_scheme),
+        quantization_config=build_quantization_config(model, result.quantized, result.kv_cache_scheme, result.layers),
         extra_files=record.files(extra_metadata), overwrite=overwrite, protect=[source] if source is not None else [],
         keep_remote_code=keep_remote_code, notify=notify, max_shard_bytes=max_shard_bytes,
         stored=None if record.rounded_from is None else LazyCheckpoint(
@@ -67,7 +67,7 @@ def run_layers(model, adapter, stages, batches, record: QuantizeRecord, state: "
         record.result = result
         before_files()
         write_model_files(tmp, model, storage, source,
-                          build_quantization_config(model, result.quantized, result.kv_cache_scheme),
+                          build_quantization_config(model, result.quantized, result.kv_cache_scheme, result.layers),
                           record.files(), keep_remote_code, notify)
     return result
 

@@ -60,6 +60,14 @@ def rotate_input(w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (w.double() @ q).to(w.dtype)
 
 
+def rotate_input_blocks(w: torch.Tensor, block: int) -> torch.Tensor:
+    """W H (computed in float64, returned in W's dtype) for H block-diagonal with `sylvester_hadamard(block)` blocks,
+    without building H: the weight of a linear whose input is rotated online by H (`qmodules.online_rotation`)."""
+    if w.shape[1] % block:
+        raise ValueError(f"a rotation in blocks of {block} needs an input width divisible by it, got {w.shape[1]}")
+    return (w.double().unflatten(1, (-1, block)) @ sylvester_hadamard(block)).flatten(1).to(w.dtype)
+
+
 def rotate_output(w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Q^T W (W [out, in]) in W's dtype: the weight of a linear whose output is to be rotated by Q."""
     return (q.t() @ w.double()).to(w.dtype)

@@ -30,6 +30,7 @@ from quantkit.kernels import cpu_int4
 from quantkit.quant.fp8 import fake_quantize
 from quantkit.qmodules.kv import head_view
 from quantkit.qmodules.int_linear import PackedIntLinear
+from quantkit.qmodules import online_rotation
 from quantkit.runtime.state import runtime_state
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -99,6 +100,8 @@ def _fuse(linears: list[nn.Module], dtype: torch.dtype):
     is duplicated and the modules keep working as before."""
     if len({m.bias is None for m in linears}) != 1:  # some with a bias, some without
         return None
+    if any(online_rotation.block_of(m) is not None for m in linears):
+        return None  # an online input rotation (a pre-hook): each module rotates its own input when called
     if all(type(m) is nn.Linear for m in linears):
         return _fuse_plain(linears)
     if all(isinstance(m, PackedIntLinear) for m in linears):
@@ -255,6 +258,8 @@ class _Int4:
 def _resolve(module: nn.Module, device: torch.device, dtype: torch.dtype):
     """What the step calls for a linear: (weight, bias) for a plain nn.Linear (run through `_linear`),
     an `_Int4` for a packed int4 module on the CPU op, else the module itself."""
+    if online_rotation.block_of(module) is not None:
+        return module  # its online input rotation runs as a pre-hook of the module call
     if type(module) is nn.Linear:
         return module.weight, module.bias
     if isinstance(module, PackedIntLinear) and module.prepare(device, dtype) == "cpu" and module.weight_g_idx is None:
