@@ -460,3 +460,48 @@ def test_fp8_gptq_on_compact_scales_is_gptq_on_expanded_ones(strategy, block, ac
     assert torch.equal(compact.error.damped_rows, expanded.error.damped_rows)
     with pytest.raises(ValueError, match="columns_per_scale"):
         gptq_quantize_fp8(W, H, scale, columns_per_scale=1 if width > 1 else 7)
+
+
+def test_activation_target_is_the_least_squares_weight_for_quantized_inputs():
+    """W' = W C H_q^-1 minimises sum ||W x - W' q(x)||^2 (so GPTQ on W', H_q minimises the layer's real error);
+    it is W itself when q is the identity; the cross accumulator sums x^T y."""
+    from quantkit.quant.gptq import activation_target
+    from quantkit.quant.hessian import CrossAccumulator
+    from quantkit.quant.microscale import fake_quantize_input
+
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    X = torch.randn(4096, n, generator=g) * torch.linspace(0.1, 4.0, n)
+    Xq = fake_quantize_input(X, 4, 32, None)  # MXFP4 activations
+    W = torch.randn(16, n, generator=g)
+    hq, c, h = HessianAccumulator(n), CrossAccumulator(n), HessianAccumulator(n)
+    for part in range(0, 4096, 1024):
+        hq.add(Xq[part : part + 1024])
+        c.add(X[part : part + 1024], Xq[part : part + 1024])
+        h.add(X[part : part + 1024])
+    H_q, C = hq.hessian(), c.take()
+    torch.testing.assert_close(C, 2 / 4096 * X.t() @ Xq, rtol=1e-4, atol=1e-4)
+    tiny = 1e-9  # (almost) no damping: the exact least-squares solution
+    target = activation_target(W, H_q, C, tiny)
+    exact = torch.linalg.lstsq(Xq.double(), (X @ W.t()).double()).solution.t().float()
+    torch.testing.assert_close(target, exact, rtol=1e-3, atol=1e-3)
+    error = lambda w: (X @ W.t() - Xq @ w.t()).square().sum()  # noqa: E731
+    assert error(target) < error(W)  # the optimum (the noise q adds is mostly not linearly predictable)
+    torch.testing.assert_close(activation_target(W, h.hessian(), h.hessian(), 0.01), W, rtol=0, atol=1e-5)
+
+
+def test_activation_target_schemes(tiny_models, tokenizer):
+    """NVFP4 / MX activations: on; weight-only: the same weights as without it (q(x) = x); int8 activations: refused."""
+    from quantkit.errors import RecipeError
+    from quantkit.quant.schemes import PRESETS
+
+    assert GPTQ(GPTQConfig(activation_target=True), QuantScheme(**PRESETS["NVFP4"]))._target
+    assert not GPTQ(GPTQConfig(activation_target=True), QuantScheme(**PRESETS["NVFP4A16"]))._target
+    with pytest.raises(RecipeError, match="activation_target runs for NVFP4 / MX activations only"):
+        GPTQ(GPTQConfig(activation_target=True), QuantScheme(**PRESETS["W8A8"]))
+    path = str(tiny_models["llama"])
+    small = ["calibration.num_samples=4", "calibration.seq_len=32", "calibration.check_samples=0"]
+    on = quantize_in_memory(path, "nvfp4", [*small, "stages.0.scheme=NVFP4A16"])[0]
+    off = quantize_in_memory(path, "nvfp4", [*small, "stages.0.scheme=NVFP4A16",
+                                             "stages.0.args.activation_target=false"])[0]
+    assert all(torch.equal(a, b) for a, b in zip(on.state_dict().values(), off.state_dict().values()))

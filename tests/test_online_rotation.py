@@ -202,3 +202,11 @@ def test_llm_compressor_style_targets_load_the_same(r4_checkpoint, tmp_path, tok
     assert online_rotation.rotated(b) == {f"model.layers.{i}.mlp.down_proj": 32 for i in range(3)}
     with torch.no_grad():
         assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_a_reload_offloaded_to_disk_rotates_too(r4_checkpoint, tokenizer):
+    ids = sample_ids(tokenizer, 1)
+    whole = quantkit.load(r4_checkpoint, dtype=torch.float32)
+    offloaded = quantkit.load(r4_checkpoint, dtype=torch.float32, offload="disk")
+    with torch.no_grad():
+        assert torch.equal(offloaded(ids).logits, whole(ids).logits)

@@ -27,11 +27,11 @@ from quantkit.quant import microscale
 from quantkit.quant.fp8 import Fp8Weight, column_scales
 from quantkit.quant.microscale import MicroWeight
 from quantkit.quant import ggml
-from quantkit.quant.gptq import (HessianError, SolveError, gptq_quantize, gptq_quantize_fp8, gptq_quantize_ggml,
-                                 hessian_error)
+from quantkit.quant.gptq import (HessianError, SolveError, activation_target, gptq_quantize, gptq_quantize_fp8,
+                                 gptq_quantize_ggml, hessian_error)
 from quantkit.platform.memory import release_free_memory
 from quantkit.platform.parking import Parked
-from quantkit.quant.hessian import HessianAccumulator
+from quantkit.quant.hessian import CrossAccumulator, HessianAccumulator
 from quantkit.quant.intq import QuantizedWeight, rtn
 from quantkit.core.registry import ALGORITHMS
 
@@ -70,6 +70,11 @@ class GPTQConfig(AlgorithmConfig):
     # forward per layer that also makes the next layer's inputs; off: every group on the float layer's inputs,
     # then a second forward with the quantized weights (llm-compressor's way)
     true_sequential: bool = False
+    # schemes that quantize activations at run time (NVFP4, MX): solve for W x from the quantized input q(x) the
+    # kernel multiplies (asymmetric calibration, GPTAQ-style: GPTQ on W' = W C H_q^-1 with H_q = sum q(x) q(x)^T,
+    # C = sum x q(x)^T) instead of for W on sum x x^T. NVFP4's q(x) uses each batch's own global scale. Weight-only
+    # schemes: no effect (q(x) = x); int8 / FP8 activations: refused (not emulated during calibration yet).
+    activation_target: bool = False
 
 
 @ALGORITHMS.register("gptq")
@@ -90,6 +95,11 @@ class GPTQ(Algorithm):
                               "Q4_K_M, ...) and the NVFP4 / MX formats")
         self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed) \
             if scheme.is_fp8 or scheme.needs_input_global or scheme.has_static_input else None
+        if config.activation_target and scheme.input_activations is not None and not scheme.is_micro:
+            raise RecipeError("gptq: activation_target runs for NVFP4 / MX activations only (their quantization is "
+                              "emulated here during calibration); drop it for this scheme")
+        # weight-only schemes: q(x) = x, so the target is W itself and the solve is plain GPTQ
+        self._target = config.activation_target and scheme.input_activations is not None
 
     def true_sequential(self) -> bool:
         return self.config.true_sequential
@@ -97,6 +107,7 @@ class GPTQ(Algorithm):
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
         self._leader = {name: group[0] for group in groups for name in group}
         self._H: dict[str, HessianAccumulator] = {}
+        self._C: dict[str, CrossAccumulator] = {}
         if self._inputs is not None:
             self._inputs.clear()
 
@@ -105,9 +116,21 @@ class GPTQ(Algorithm):
             return  # the group's first linear accumulates the shared Hessian (and input scale)
         if name not in self._H:
             self._H[name] = HessianAccumulator(x.shape[-1])
-        self._H[name].add(x)
+        if self._target:
+            xq = self._quantized_input(x)
+            self._H[name].add(xq)
+            self._C.setdefault(name, CrossAccumulator(x.shape[-1])).add(x, xq)
+        else:
+            self._H[name].add(x)
         if self._inputs is not None:
             self._inputs.add(name, x)
+
+    def _quantized_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the scheme's kernel multiplies for input x: its activations quantized and dequantized (NVFP4: under
+        the global scale of x itself)."""
+        acts = self.scheme.input_activations
+        gs = microscale.nvfp4_global_scale(x.detach().abs().amax().float()) if self.scheme.needs_input_global else None
+        return microscale.fake_quantize_input(x.detach(), acts.num_bits, acts.group_size, gs)
 
     def quantize_layer(
         self, linears: dict[str, nn.Linear], groups: list[list[str]], scale_dtype: torch.dtype
@@ -137,6 +160,8 @@ class GPTQ(Algorithm):
                      scale_dtype: torch.dtype, input_scale: Optional[torch.Tensor]) -> tuple[dict, dict]:
         """One group's weights and report rows. Rows are independent given H: linears sharing an input are
         solved as one stacked matrix. A large H waits on disk during the solve (`park_hessian_bytes`)."""
+        if self._target:
+            self._retarget(linears, group, acc)
         if self.scheme.is_micro:  # NVFP4: one global scale for the group (`microscale.shared_global_scale`)
             nearest = dict(zip(group, microscale.quantize_group([linears[n].weight.data for n in group], self.scheme)))
         else:
@@ -178,6 +203,15 @@ class GPTQ(Algorithm):
             start = rows.stop
         return result, report
 
+    def _retarget(self, linears: dict[str, nn.Linear], group: list[str], acc: HessianAccumulator) -> None:
+        """Each linear's float weight replaced by its activation target W' (`quant.gptq.activation_target`), which
+        the rest of the solve (scales, GPTQ, report) then takes as the weight."""
+        C = self._C.pop(group[0]).take()
+        H_q = acc.hessian()
+        for name in group:
+            w = linears[name].weight
+            w.data = activation_target(w.data, H_q, C, self.config.dampening_frac).to(w.dtype)
+
     def _quantize_shared(self, linears: dict[str, nn.Linear], groups: list[list[str]], scale_dtype: torch.dtype,
                          world: "distributed.World") -> dict:
         """A distributed run: every group's Hessian summed over the ranks, the solves dealt out by size
@@ -186,6 +220,8 @@ class GPTQ(Algorithm):
             acc = self._H.get(group[0])
             assert acc is not None, f"no calibration input reached {group[0]}"
             acc.reduce(lambda t, g=group[0]: world.sum_(t, f"GPTQ {g}: Hessian"))
+            if group[0] in self._C:
+                self._C[group[0]].reduce(lambda t, g=group[0]: world.sum_(t, f"GPTQ {g}: input cross-moments"))
         scales = {g[0]: self._input_scale(g[0], scale_dtype) for g in groups}
         owners = distributed.owner_of([sum(linears[n].weight.numel() for n in g) for g in groups], world.size)
         mine: dict[int, tuple[dict, dict]] = {}

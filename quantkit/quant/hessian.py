@@ -39,11 +39,7 @@ class HessianAccumulator:
     def reduce(self, sum_: "Callable[[torch.Tensor], torch.Tensor]") -> None:
         """Replace the running sum and token count by their totals under `sum_` (an in-place all-reduce over
         the ranks of a distributed run, `quantkit.calibration.distributed`): every rank then holds the same Hessian."""
-        if self._upper is None:
-            raise ValueError("no tokens were added to the Hessian")
-        sum_(self._upper)
-        count = torch.tensor([float(self.tokens)], dtype=torch.float64, device=self._upper.device)
-        self.tokens = int(sum_(count).item())
+        self.tokens = _reduce(self._upper, self.tokens, sum_)
 
     def hessian(self) -> torch.Tensor:
         """H = 2/tokens * sum x x^T as a full symmetric float32 matrix [n, n]."""
@@ -63,3 +59,42 @@ class HessianAccumulator:
             dst = H[j:, j : j + BLOCK]
             dst.copy_(H[j : j + BLOCK, j:].t().tril(-1) + dst.triu())
         return H.mul_(2.0 / self.tokens)
+
+
+class CrossAccumulator:
+    """Running float32 sum of x^T y over paired tokens (x: the float input a layer sees, y: the input its kernel
+    multiplies, e.g. quantized activations), and the token count: C = 2/tokens sum x y^T, scaled as the Hessian."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.tokens = 0
+        self._sum: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if x.shape != y.shape or x.shape[-1] != self.n:
+            raise ValueError(f"paired inputs of shapes {tuple(x.shape)} and {tuple(y.shape)}; width {self.n} expected")
+        xr = x.detach().reshape(-1, self.n).to(torch.float32)
+        yr = y.detach().reshape(-1, self.n).to(torch.float32)
+        if self._sum is None:
+            self._sum = torch.zeros(self.n, self.n, dtype=torch.float32, device=xr.device)
+        self._sum.addmm_(xr.t(), yr.to(xr.device))
+        self.tokens += xr.shape[0]
+
+    def reduce(self, sum_: "Callable[[torch.Tensor], torch.Tensor]") -> None:
+        self.tokens = _reduce(self._sum, self.tokens, sum_)
+
+    def take(self) -> torch.Tensor:
+        """C = 2/tokens sum x y^T [n, n] (x's dimension first), in the accumulator's own memory (given up)."""
+        if self.tokens == 0:
+            raise ValueError("no tokens were added")
+        C, self._sum = self._sum, None
+        return C.mul_(2.0 / self.tokens)
+
+
+def _reduce(total: "torch.Tensor | None", tokens: int, sum_: "Callable[[torch.Tensor], torch.Tensor]") -> int:
+    """Sum a running total in place over the ranks (`sum_`, an all-reduce) and return the summed token count."""
+    if total is None:
+        raise ValueError("no tokens were added")
+    sum_(total)
+    count = torch.tensor([float(tokens)], dtype=torch.float64, device=total.device)
+    return int(sum_(count).item())
