@@ -54,7 +54,9 @@ def _rotated(path, **config):
 @pytest.mark.parametrize("arch, config", [("llama", {"down_proj_online": 32}),
                                           ("llama", {"down_proj_online": 128, "block_size": 16}),
                                           ("gemma3_text", {"residual": False, "heads": False, "down_proj_online": 16}),
-                                          ("gemma3_text", {"residual": False, "down_proj_online": 64})])
+                                          ("gemma3_text", {"residual": False, "down_proj_online": 64}),
+                                          ("gemma3_text", {"residual": "auto", "down_proj_online": 32}),
+                                          ("llama", {"residual": "auto", "down_proj_online": 32})])
 def test_online_rotation_keeps_the_models_function(arch, config, tiny_models, tokenizer):
     original = quantkit.load(tiny_models[arch], dtype=torch.float32)
     rotated = _rotated(tiny_models[arch], **config)
@@ -63,6 +65,8 @@ def test_online_rotation_keeps_the_models_function(arch, config, tiny_models, to
         torch.testing.assert_close(rotated(ids).logits, original(ids).logits, rtol=0, atol=1e-4)
     down = rotated.model.layers[0].mlp.down_proj
     assert online_rotation.block_of(down) == config["down_proj_online"]
+    norm = rotated.model.layers[0].input_layernorm.weight  # R1 folds the norms (llama, with residual true or auto)
+    assert torch.equal(norm, torch.ones_like(norm)) == (arch == "llama")
     assert (down.weight - original.model.layers[0].mlp.down_proj.weight).abs().max() > 1e-3
 
 

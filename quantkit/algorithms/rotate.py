@@ -27,7 +27,8 @@ are refused.
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Literal, Optional, Union
 
 import torch
 from pydantic import Field, field_validator
@@ -39,6 +40,8 @@ from quantkit.errors import QuantizationError
 from quantkit.qmodules import online_rotation
 from quantkit.quant import rotation
 
+log = logging.getLogger(__name__)
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 ROW_CHUNK = 8192  # embedding / lm_head rows rotated at a time (float64 temporaries of ROW_CHUNK x hidden)
 
@@ -49,7 +52,9 @@ class RotateConfig(AlgorithmConfig):
     # null: one rotation of the whole hidden size; a power of two: Hadamard blocks of that many channels (rotations
     # kept inside quantization groups, e.g. 32 for MX formats)
     block_size: Optional[int] = Field(None, ge=2)
-    residual: bool = True  # rotate the residual stream (R1; folds the norms): the Llama family only
+    # rotate the residual stream (R1; folds the norms): the Llama family only; "auto": where the architecture allows
+    # it, and said where it does not (the per-head and down_proj_online rotations still run there)
+    residual: Union[bool, Literal["auto"]] = True
     # a power of two: an online Hadamard of blocks of this many channels before each down_proj (R4)
     down_proj_online: Optional[int] = Field(None, ge=2)
 
@@ -90,15 +95,26 @@ class Rotate(Algorithm):
         return (rotation.block_hadamard(hidden, block, seed),
                 rotation.block_hadamard(head_dim, min(block, head_dim), seed + 1))
 
-    @torch.no_grad()
-    def transform_model(self, model: nn.Module, adapter) -> None:
-        if not self.config.residual:
-            return
-        model_type = model.config.model_type
-        if model_type not in SUPPORTED or adapter.norm_weight_offset != 0.0:
+    def _residual_applies(self, model_type: str, adapter) -> bool:
+        """Whether R1 runs on this architecture (residual true on one it cannot take: an error; "auto": said once)."""
+        supported = model_type in SUPPORTED and adapter.norm_weight_offset == 0.0
+        if self.config.residual is True and not supported:
             raise QuantizationError(f"the rotate stage supports {', '.join(SUPPORTED)} (plain RMSNorms, no MoE "
                                     f"router); {model_type!r} is not supported: drop the rotate stage, or set "
-                                    "residual: false (the per-head and down_proj_online rotations alone)")
+                                    "residual: false or auto (the per-head and down_proj_online rotations alone)")
+        if self.config.residual == "auto" and not supported and not self.__dict__.get("_said"):
+            self._said = True
+            log.warning("rotate: %s cannot take the residual-stream rotation (R1: it needs plain RMSNorms before "
+                        "the sublayers); rotating %s only", model_type,
+                        " and ".join(k for k, on in (("the value heads (R2)", self.config.heads),
+                                                     ("down_proj's input online (R4)", self.config.down_proj_online))
+                                     if on) or "nothing")
+        return bool(self.config.residual) and supported
+
+    @torch.no_grad()
+    def transform_model(self, model: nn.Module, adapter) -> None:
+        if not self._residual_applies(model.config.model_type, adapter):
+            return
         q, _ = self._rotations(model.config)
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         norm = model.model.norm
@@ -116,13 +132,14 @@ class Rotate(Algorithm):
         config = _config_of(ctx)
         q, r = self._rotations(config)
         attn, mlp = layer.self_attn, layer.mlp
-        if self.config.residual:
+        residual = self._residual_applies(config.model_type, ctx.adapter)
+        if residual:
             self._residual(layer, q)
         if self.config.heads:
             self._heads(attn, r)
         if self.config.down_proj_online:
             self._online_down(ctx, mlp)
-        kinds = [k for k, on in (("hadamard", self.config.residual), ("heads", self.config.heads)) if on]
+        kinds = [k for k, on in (("hadamard", residual), ("heads", self.config.heads)) if on]
         for name in ctx.linears:
             self.report.setdefault(name, {})["rotated"] = " + ".join(kinds) or "none"
 
