@@ -92,10 +92,11 @@ def test_gemma_is_refused(tiny_models):
 
 @pytest.fixture(scope="module")
 def rotated_checkpoints(tiny_models, tmp_path_factory):
-    """rotate + GPTQ W8A16 on the tiny llama (tied embeddings), onloaded (the default) and whole-model."""
+    """rotate + GPTQ W8A16 on the tiny llama (tied embeddings), onloaded (the default) and whole-model; the fused
+    rotations only (no online R4: an ordinary checkpoint, which transformers runs as it is)."""
     root = tmp_path_factory.mktemp("rotated")
     sets = ["stages.1.scheme=W8A16", "calibration.num_samples=4", "calibration.seq_len=32",
-            "calibration.check_samples=0"]
+            "calibration.check_samples=0", "stages.0.args.down_proj_online=null", "stages.0.args.residual=true"]
     return {mode: quantize(str(tiny_models["llama"]), load_recipe("rotated-mxfp4", sets), root / mode, progress=False,
                            load_mode=mode).output for mode in ("layers", "whole")}
 
