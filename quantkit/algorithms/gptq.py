@@ -160,13 +160,13 @@ class GPTQ(Algorithm):
                      scale_dtype: torch.dtype, input_scale: Optional[torch.Tensor]) -> tuple[dict, dict]:
         """One group's weights and report rows. Rows are independent given H: linears sharing an input are
         solved as one stacked matrix. A large H waits on disk during the solve (`park_hessian_bytes`)."""
+        H = acc.take_hessian()  # the accumulator gives it up: this frame holds the only reference
         if self._target:
-            self._retarget(linears, group, acc)
+            self._retarget(linears, group, H)
         if self.scheme.is_micro:  # NVFP4: one global scale for the group (`microscale.shared_global_scale`)
             nearest = dict(zip(group, microscale.quantize_group([linears[n].weight.data for n in group], self.scheme)))
         else:
             nearest = {n: self._nearest(linears[n].weight.data, scale_dtype) for n in group}
-        H = acc.take_hessian()  # the accumulator gives it up: this frame holds the only reference
         begin = self._start(group, linears, nearest, H)
         limit = self.config.park_hessian_bytes
         if limit is not None and H.numel() * H.element_size() >= limit:
@@ -203,11 +203,10 @@ class GPTQ(Algorithm):
             start = rows.stop
         return result, report
 
-    def _retarget(self, linears: dict[str, nn.Linear], group: list[str], acc: HessianAccumulator) -> None:
+    def _retarget(self, linears: dict[str, nn.Linear], group: list[str], H_q: torch.Tensor) -> None:
         """Each linear's float weight replaced by its activation target W' (`quant.gptq.activation_target`), which
         the rest of the solve (scales, GPTQ, report) then takes as the weight."""
         C = self._C.pop(group[0]).take()
-        H_q = acc.hessian()
         for name in group:
             w = linears[name].weight
             w.data = activation_target(w.data, H_q, C, self.config.dampening_frac).to(w.dtype)
