@@ -45,6 +45,18 @@ def test_e2m1_rounding_ties_to_even_and_saturates():
     assert fp4.codes(fp4.round_e2m1(x)).tolist() == [0, 1, 2, 2, 3, 4, 4, 5, 6, 6, 7, 7, 7, 8, 9, 14, 15]
 
 
+def test_e2m1_rounding_by_spacing_equals_the_bounds_bit_for_bit():
+    """The fast rounding (divide by the grid spacing, round half to even) against the bound-by-bound reference
+    over a sweep of float32 bit patterns from 0 to past 8 (every tie among them), both signs, and the specials."""
+    import numpy as np
+
+    sweep = torch.from_numpy(np.arange(0, 0x41100000, 61, dtype=np.int64).astype(np.int32)).view(torch.float32)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 1e-45, 3e38, float("inf"), float("nan")])
+    for x in (sweep, -sweep, ties, -ties):
+        fast, ref = fp4.round_e2m1(x), fp4.round_e2m1_reference(x)
+        assert torch.equal(fast.view(torch.int32), ref.view(torch.int32))  # signs of zero too
+
+
 def test_e2m1_codes_pack_low_nibble_first():
     values = torch.tensor([[0.5, 1.0, -6.0, 0.0, 3.0, -0.5]])
     c = fp4.codes(values)

@@ -140,6 +140,11 @@ class WideMatmuls(TorchFunctionMode):
         return super().__exit__(*exc)
 
 
+def widening_active(dtype: torch.dtype) -> bool:
+    """Whether this thread's matmuls in `dtype` are being widened now (inside `widening(dtype)`)."""
+    return dtype in _active.__dict__.get("dtypes", ())
+
+
 @contextlib.contextmanager
 def widening(dtype: torch.dtype) -> Iterator[None]:
     """`WideMatmuls(dtype)` for the duration, entered once per thread however deeply nested."""

@@ -122,16 +122,17 @@ def _solve_error(row_error: torch.Tensor, diag: torch.Tensor, perm: torch.Tensor
     return SolveError(row_error, float(dampening_frac * torch.mean(diag[perm])), dead)
 
 
-def activation_target(W: torch.Tensor, H_q: torch.Tensor, C: torch.Tensor, dampening_frac: float) -> torch.Tensor:
+def activation_target(W: torch.Tensor, H_q: torch.Tensor, D: torch.Tensor, dampening_frac: float) -> torch.Tensor:
     """The weight W' whose GPTQ on H_q minimises sum ||W x - W_hat q(x)||^2, the layer's error when its kernel
     multiplies quantized activations q(x) instead of x (asymmetric calibration, as in GPTAQ): with H_q = 2/n sum
-    q(x) q(x)^T and C = 2/n sum x q(x)^T, that sum is ||(W' - W_hat) q(x)||^2 + const for W' H_q = W C. Returned as
-    W + W (C - H_q) (H_q + damp I)^-1 (float32), so that W' = W where q is the identity (damp = dampening_frac *
-    mean diag(H_q), as the solve adds). W: [out, in]."""
+    q(x) q(x)^T and C = 2/n sum x q(x)^T, that sum is ||(W' - W_hat) q(x)||^2 + const for W' H_q = W C.
+    Given D = C - H_q = 2/n sum (x - q(x)) q(x)^T (summed directly: the difference of two near-equal sums would
+    lose its digits), returned as W + W D (H_q + damp I)^-1 (float32), so that W' = W where q is the identity
+    (damp = dampening_frac * mean diag(H_q), as the solve adds). W: [out, in]."""
     Hd = H_q.float().clone()
     Hd.diagonal().add_(dampening_frac * torch.mean(Hd.diagonal()))
     W = W.float()
-    correction = torch.linalg.solve(Hd, (C.float() - H_q.float()).t() @ W.t()).t()  # W (C - H_q) Hd^-1 (Hd symmetric)
+    correction = torch.linalg.solve(Hd, D.float().t() @ W.t()).t()  # W D Hd^-1 (Hd symmetric)
     return W + correction
 
 
