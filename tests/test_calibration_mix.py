@@ -247,3 +247,38 @@ def test_smollm2_gptq_on_the_mix_beats_rounding_on_every_domain(smollm2):
     for r in rows:
         assert 0 < r["kld"] < r["kld_rtn"], r
     assert record.domain_warning is None
+
+
+def test_counterpart_takes_the_runs_activation_scales(tiny_llama, tmp_path, monkeypatch):
+    """NVFP4 W4A4: the round-to-nearest counterpart takes the run's activation global scales (from the model in
+    memory or from its checkpoint) and then reads no calibration data; its weights are round-to-nearest's as
+    calibrated; a recipe with AWQ gives none (its scales are for rescaled inputs)."""
+    from quantkit.flow import job, sources
+    from quantkit.flow.job import Options, run
+
+    small = ["calibration.num_samples=4", "calibration.seq_len=32", "calibration.check_samples=0"]
+    recipe = load_recipe("nvfp4", small)
+    ours, _ = run(str(tiny_llama), recipe, Options(dtype=torch.float32))
+    scales = domain_check.run_scales(recipe, ours, None, tiny_llama)
+    assert scales and all(name.endswith("_proj") and s.numel() == 1 for name, s in scales.items())
+    run(str(tiny_llama), recipe, Options(output=tmp_path / "q", dtype=torch.float32))
+    from_disk = domain_check.run_scales(recipe, None, tmp_path / "q", tiny_llama)
+    assert from_disk.keys() == scales.keys()
+    assert domain_check.run_scales(load_recipe("awq-w4a16"), ours, None, tiny_llama) is None
+
+    counterpart = domain_check.rtn_counterpart(recipe)
+    calibrated, _ = run(str(tiny_llama), counterpart, Options(dtype=torch.float32))
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the counterpart read calibration data")
+
+    monkeypatch.setattr(job, "calibration_batches", no_data)
+    monkeypatch.setattr(sources, "calibration_batches", no_data)
+    given, _ = run(str(tiny_llama), counterpart, Options(dtype=torch.float32, input_scales=scales))
+    got = dict(given.named_buffers())
+    for name, scale in scales.items():
+        assert torch.equal(got[f"{name}.input_global_scale"], scale)
+    mine, theirs = given.state_dict(), calibrated.state_dict()
+    weights = [k for k in mine if not k.endswith("input_global_scale")]
+    assert weights and all(torch.equal(mine[k], theirs[k]) for k in weights)
+    assert any(not torch.equal(mine[k], theirs[k]) for k in mine if k.endswith("input_global_scale"))

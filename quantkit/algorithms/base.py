@@ -87,6 +87,11 @@ class Algorithm(ABC):
         """Whether this stage needs calibration data (for its scheme)."""
         return self.needs_calibration
 
+    def take_input_scales(self, scales: dict[str, torch.Tensor]) -> None:
+        """Static activation scales given per linear (`input_scale` / `input_global_scale`, as a run of the same
+        scheme wrote them) to take instead of calibrating them: round-to-nearest stages (`rtn`, `fp8`) take them
+        and then need no data for them (the domain check's counterpart takes its run's); others ignore them."""
+
     def true_sequential(self) -> bool:
         """Whether each input-sharing group is to be calibrated on the inputs the layer makes with the groups
         before it already quantized (one lock-step forward per layer, `calibration.lockstep`): then `observe`

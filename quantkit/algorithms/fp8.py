@@ -11,6 +11,7 @@ over a random sample of the input values).
 from __future__ import annotations
 
 import zlib
+from typing import Optional
 
 import torch
 from pydantic import Field
@@ -45,7 +46,11 @@ class FP8(Algorithm):
         self._inputs = StaticInputScales(scheme, config.mse_samples, config.seed)
 
     def needs_data(self) -> bool:
-        return self.scheme.has_static_input  # dynamic or weight-only: no calibration data at all
+        # dynamic or weight-only, or static scales given: no calibration data at all
+        return self.scheme.has_static_input and self._inputs.given is None
+
+    def take_input_scales(self, scales: dict[str, torch.Tensor]) -> None:
+        self._inputs.give(scales)
 
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
         self._inputs.clear()
@@ -84,12 +89,17 @@ class StaticInputScales:
         self._seed = seed
         self._int8 = scheme.has_static_input and acts.type == "int"  # static int8: absmax / 127
         self._by_name: dict[str, InputScaleObserver] = {}
+        self.given: Optional[dict[str, torch.Tensor]] = None  # {linear: its scale}, taken instead of observed
+
+    def give(self, scales: dict[str, torch.Tensor]) -> None:
+        """Take these scales (a run's `input_scale` / `input_global_scale` per linear) instead of observing inputs."""
+        self.given = dict(scales)
 
     def clear(self) -> None:
         self._by_name.clear()
 
     def add(self, name: str, x: torch.Tensor) -> None:
-        if self._observer is None:
+        if self._observer is None or self.given is not None:
             return
         if name not in self._by_name:
             # a generator per linear, seeded from its name: its samples do not depend on which layers ran
@@ -101,6 +111,8 @@ class StaticInputScales:
     def scale(self, name: str, scale_dtype: torch.dtype) -> torch.Tensor:
         """The static input scale of `name`; in a distributed run a collective call: every rank asks for the
         same names in the same order and gets the scale of all ranks' inputs."""
+        if self.given is not None:
+            return self._given(name).to(scale_dtype).reshape(1)
         observer = self._reduced(name)
         if self._int8:
             return int8_static_scale(observer.absmax, scale_dtype)
@@ -109,7 +121,15 @@ class StaticInputScales:
     def global_scale(self, name: str) -> torch.Tensor:
         """NVFP4 activations: the global scale (float32 [1]) of `name`'s inputs, 448 * 6 / absmax (collective,
         as `scale`)."""
+        if self.given is not None:
+            return self._given(name).float().reshape(1)
         return nvfp4_global_scale(self._reduced(name).absmax)
+
+    def _given(self, name: str) -> torch.Tensor:
+        if name not in self.given:
+            raise QuantizationError(f"{name}: no activation scale was given for it (given for {len(self.given)} "
+                                    "linears); calibrate instead")
+        return self.given[name].detach().clone()
 
     def _reduced(self, name: str) -> InputScaleObserver:
         if name not in self._by_name:

@@ -35,8 +35,12 @@ class RTN(Algorithm):
             (scheme.needs_input_global or scheme.has_static_input) else None
 
     def needs_data(self) -> bool:
-        # NVFP4 activations' global scale, static int8 activation scales: from the calibration inputs
-        return self.needs_calibration or self._inputs is not None
+        # NVFP4 activations' global scale, static int8 activation scales: from the calibration inputs (unless given)
+        return self.needs_calibration or (self._inputs is not None and self._inputs.given is None)
+
+    def take_input_scales(self, scales: dict[str, torch.Tensor]) -> None:
+        if self._inputs is not None:
+            self._inputs.give(scales)
 
     def begin_layer(self, linears: dict[str, nn.Linear], groups: list[list[str]]) -> None:
         self._leader = {name: group[0] for group in groups for name in group}

@@ -3,7 +3,8 @@
 A calibrated stage (GPTQ, AWQ) fits its choices to the calibration text; on a language or domain that text
 lacks it can do worse than plain round-to-nearest (English-only GPTQ on Chinese text did). After such a run
 the quantized model and a round-to-nearest copy of the same scheme (`rtn_counterpart`: every GPTQ stage made
-RTN, AWQ's scaling dropped) are compared with the original on windows of each calibration part that
+RTN, AWQ's scaling dropped; static activation scales taken from the run, `run_scales`, so that it needs no
+second calibration pass) are compared with the original on windows of each calibration part that
 calibration did not use (`flow.sources.held_back_windows`): KL(original || model) per part. Any part where the
 calibrated model's KLD is above round-to-nearest's is named in a warning; the rows go to the record and so to quantkit.json
 (`domain_check`). A layer-by-layer run's check reads every model from disk a layer at a time, so it stays within
@@ -25,6 +26,7 @@ from torch import nn
 from quantkit.flow.recipe import Recipe, validate_recipe
 
 CALIBRATED = ("gptq", "awq")
+SCALE_NAMES = ("input_scale", "input_global_scale")  # a quantized linear's static activation scales
 MEMORY_SHARE = 0.6  # the three models must fit in this share of the available memory, else the check is skipped
 
 
@@ -50,6 +52,45 @@ def rtn_counterpart(recipe: Recipe) -> Recipe:
         stages.append(stage)
     raw = {**raw, "name": f"{recipe.name} (round-to-nearest counterpart)", "stages": stages}
     return validate_recipe(copy.deepcopy(raw), f"{recipe.name} round-to-nearest counterpart")
+
+
+def run_scales(recipe: Recipe, quantized: Optional[nn.Module], output: Optional[Path],
+               source: Path) -> Optional[dict[str, torch.Tensor]]:
+    """The run's static activation scales {linear: scale} (NVFP4's activation global scales, static int8 / FP8
+    input scales) for its round-to-nearest counterpart to take instead of calibrating its own: from the model in
+    memory, else from the written checkpoint. None when there are none, when the recipe rescales inputs in a stage
+    the counterpart drops (AWQ: its scales are for x / s), or when a name is not a linear of the source."""
+    if any(s.algorithm == "awq" for s in recipe.stages):
+        return None
+    if quantized is not None:
+        scales = {n.rsplit(".", 1)[0]: b.detach().clone() for n, b in quantized.named_buffers()
+                  if n.rsplit(".", 1)[-1] in SCALE_NAMES}
+    else:
+        scales = _checkpoint_tensors(output, lambda key: key.rsplit(".", 1)[-1] in SCALE_NAMES)
+    weights = set(_checkpoint_keys(source))
+    if not scales or any(f"{name}.weight" not in weights for name in scales):
+        return None
+    return scales
+
+
+def _checkpoint_keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    keys = []
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            keys.extend(h.keys())
+    return keys
+
+
+def _checkpoint_tensors(path: Optional[Path], wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")) if path is not None else ():
+        with safe_open(str(f), "pt") as h:
+            out.update({k.rsplit(".", 1)[0]: h.get_tensor(k) for k in h.keys() if wanted(k)})
+    return out
 
 
 def compare(models: list[nn.Module], held_back: dict[str, torch.Tensor]) -> list[dict]:
@@ -99,8 +140,8 @@ def run_check(source: Optional[Path], quantized: Optional[nn.Module], output: Op
               layers: bool = False) -> tuple[Optional[list[dict]], Optional[str]]:
     """(the check's rows or None when it cannot run (said why), the warning or None); the warning is notified too.
 
-    quantize(model or source, recipe, output): the flow's run, for the round-to-nearest copy (in memory when output
-    is None). layers: the run went layer by layer, so the check holds one decoder layer at a time as well: the
+    quantize(model or source, recipe, output, scales): the flow's run, for the round-to-nearest copy (in memory when
+    output is None; `scales`: the run's static activation scales, `run_scales`, or None to calibrate them). layers: the run went layer by layer, so the check holds one decoder layer at a time as well: the
     original, the written checkpoint and a round-to-nearest copy written beside it (removed after) are read
     from disk layer by layer as they run (`runtime.offload`)."""
     from quantkit.checkpoints.loader import load
@@ -116,11 +157,12 @@ def run_check(source: Optional[Path], quantized: Optional[nn.Module], output: Op
     offload = "disk" if layers else "none"
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.rtn-" if output else "quantkit-rtn-",
                                      dir=output.parent if output else None) as tmp:
+        scales = run_scales(recipe, quantized, output, source)
         if layers:
-            quantize(source, rtn_counterpart(recipe), Path(tmp) / "rtn")
+            quantize(source, rtn_counterpart(recipe), Path(tmp) / "rtn", scales)
             rtn = load(Path(tmp) / "rtn", dtype=dtype, offload="disk")
         else:
-            rtn = quantize(load(source, dtype=dtype), rtn_counterpart(recipe), None)
+            rtn = quantize(load(source, dtype=dtype), rtn_counterpart(recipe), None, scales)
         original = load(source, dtype=dtype, offload=offload)
         ours = quantized if quantized is not None else load(output, dtype=dtype, offload=offload)
         rows = compare([original, ours, rtn], held_back)  # (no_grad inside: inference tensors would stay in `ours`)

@@ -71,6 +71,9 @@ class Options:
     texts: Optional[Sequence[str]] = None  # calibration texts instead of the recipe's dataset
     batches: Optional[list[torch.Tensor]] = None  # calibration token ids instead of any text
     tokenizer: object = None  # for text calibration of an in-memory model
+    # static activation scales per linear given to the round-to-nearest stages instead of calibrated (`rtn`, `fp8`:
+    # `Algorithm.take_input_scales`); the domain check's counterpart takes those of the run it is compared with
+    input_scales: Optional[dict] = None
 
 
 def run(model: Union[str, Path, nn.Module, None], recipe: Recipe,
@@ -192,6 +195,9 @@ class _Job:
         start, opts = time.perf_counter(), self.opts
         model, onloaded, zeroed = self.load_source()
         stages = build_stages(model, self.adapter, self.recipe)
+        if opts.input_scales is not None:
+            for stage in stages:
+                stage.algorithm.take_input_scales(opts.input_scales)
         record = self.record(report_fallbacks(stages, opts.notify), zeroed)
         budget = activation_budget(self.where.device, opts.activation_budget_bytes)  # one figure: planned and kept
         record.plan = self.plan_run(model, stages, budget).to_json()
@@ -233,9 +239,9 @@ class _Job:
                 or not domain_check.is_calibrated(self.recipe) or cal.check_samples == 0):
             return
         held = held_back_windows(self.source, self.recipe, self.adapter.needs_bos, config=self.raw)
-        def quantize(model, recipe: Recipe, out: Optional[Path]) -> Optional[nn.Module]:
+        def quantize(model, recipe: Recipe, out: Optional[Path], scales: Optional[dict] = None) -> Optional[nn.Module]:
             quiet = Options(output=out, load="whole" if out is None else "layers", notify=lambda _: None,
-                            dtype=self.choice.dtype)
+                            dtype=self.choice.dtype, input_scales=scales)
             return run(model if out is None else str(model), recipe, quiet)[0]
 
         rows, record.domain_warning = domain_check.run_check(
