@@ -76,11 +76,11 @@ class GPTQConfig(AlgorithmConfig):
     # C = sum x q(x)^T) instead of for W on sum x x^T. NVFP4's q(x) uses each batch's own global scale. Weight-only
     # schemes: no effect (q(x) = x); int8 / FP8 activations: refused (not emulated during calibration yet).
     activation_target: bool = False
-    # the Hessian's (and activation target's) per-batch products: auto multiplies a bf16 calibration forward's
-    # inputs as bf16 GEMMs (exact products, each batch's sum rounded to bf16 once before the float32 running sum;
-    # 2.6-3.9x faster where bf16 GEMMs are fast), float32 GEMMs where the run widens its bf16 matmuls (a CPU slow
-    # in bf16) or the inputs are not bf16; float32: always float32 (`quant.hessian`)
-    hessian_products: Literal["auto", "float32"] = "auto"
+    # the activation target's cross sums D = sum (x - q(x)) q(x)^T per batch: auto multiplies a bf16 calibration
+    # forward's pairs as bf16 GEMMs (exact products, each batch's sum rounded to bf16 once before the float32
+    # running sum; 3.9x faster where bf16 GEMMs are fast), float32 GEMMs where the run widens its bf16 matmuls (a
+    # CPU slow in bf16) or the inputs are not bf16; float32: always (`quant.hessian`; the Hessian is float32 always)
+    target_products: Literal["auto", "float32"] = "auto"
 
 
 @ALGORITHMS.register("gptq")
@@ -120,10 +120,10 @@ class GPTQ(Algorithm):
     def observe(self, name: str, x: torch.Tensor) -> None:
         if self._leader[name] != name:
             return  # the group's first linear accumulates the shared Hessian (and input scale)
-        products = self._products(x)
         if name not in self._H:
-            self._H[name] = HessianAccumulator(x.shape[-1], products)
+            self._H[name] = HessianAccumulator(x.shape[-1])
         if self._target:
+            products = self._products(x)
             xq = self._quantized_input(x).to(products)  # (float32; bf16 products: rounded once more, 2^-9 relative)
             self._H[name].add(xq)
             self._C.setdefault(name, CrossAccumulator(x.shape[-1], products)).add(x.detach().to(products) - xq, xq)
@@ -133,8 +133,8 @@ class GPTQ(Algorithm):
             self._inputs.add(name, x)
 
     def _products(self, x: torch.Tensor) -> torch.dtype:
-        """The dtype of the accumulators' per-batch products (`GPTQConfig.hessian_products`)."""
-        if (self.config.hessian_products == "auto" and x.dtype == torch.bfloat16
+        """The dtype of the activation target's per-batch cross products (`GPTQConfig.target_products`)."""
+        if (self.config.target_products == "auto" and x.dtype == torch.bfloat16
                 and not wide_matmul.widening_active(torch.bfloat16)):
             return torch.bfloat16
         return torch.float32

@@ -6,13 +6,14 @@ full `addmm`; measured on this project's 2-core CPU with 2048 tokens per update:
 width 576, 1.5x at 1536. (BLAS `ssyrk` through scipy was as fast alone, but its OpenBLAS threads
 spin after each call and halved the speed of torch's matmuls in the forward that follows.)
 
-`products=torch.bfloat16` computes each update's products as one bf16 GEMM instead, for inputs that are
-bf16 already (a bf16 calibration forward): every product x_i x_j and the GEMM's own sum are exact in the
-float32 accumulator of a bf16 dot product, and only the update's result is rounded to bf16 (relative
-2^-9 per entry, once per update) before it joins the float32 running sum; the errors of k updates are
-independent, ~2^-9 / sqrt(k) of an entry. Where bf16 GEMMs are fast (avx512_bf16 without AMX, 2048
-tokens per update) that is 2.6-2.8x the float32 upper-triangle update at widths 576-2048. Inputs in any
-other dtype take the float32 path.
+The Hessian stays float32 throughout: GPTQ inverts it, and rounding each update's sum to bf16 (the output of
+a bf16 GEMM, ~2^-9 of an entry) made SmolLM2's gptq-w4a16 markedly worse (KLD 0.1915 against 0.1684 at
+emma 8 x 2048). `CrossAccumulator` (the activation target's D, which enters its solve linearly) may take
+bf16 products: `products=torch.bfloat16` multiplies pairs that are bf16 already (a bf16 calibration
+forward) as one bf16 GEMM per update: products and the GEMM's own sum are exact in the float32
+accumulator of a bf16 dot product, and each update's result is rounded to bf16 once before it joins the
+float32 running sum (errors ~2^-9 / sqrt(updates) of an entry); where bf16 GEMMs are fast
+(avx512_bf16 without AMX, 2048 tokens per update) 3.9x the float32 GEMM at width 2048.
 """
 
 from __future__ import annotations
@@ -27,25 +28,20 @@ BLOCK = 128  # rows per block: measured best or near-best at widths 576 and 1536
 class HessianAccumulator:
     """Running float32 sum of x^T x over every token given to `add`, and the token count."""
 
-    def __init__(self, n: int, products: torch.dtype = torch.float32):
+    def __init__(self, n: int):
         self.n = n
         self.tokens = 0
-        self.products = products  # bf16: inputs already in bf16 are multiplied as one bf16 GEMM per update
         self._upper: torch.Tensor | None = None  # block rows on and above the diagonal, on the inputs' device
 
     def add(self, x: torch.Tensor) -> None:
         """Add the tokens of x [..., n] (any float dtype; converted to float32 exactly)."""
         if x.shape[-1] != self.n:
             raise ValueError(f"input width {x.shape[-1]} does not match the Hessian's {self.n}")
-        rows = x.detach().reshape(-1, self.n)
+        rows = x.detach().reshape(-1, self.n).to(torch.float32)
         if self._upper is None:
             self._upper = torch.zeros(self.n, self.n, dtype=torch.float32, device=rows.device)
         rows = rows.to(self._upper.device)
         self.tokens += rows.shape[0]
-        if rows.dtype == self.products != torch.float32:  # the whole square (the upper part is what is read)
-            self._upper.add_(rows.t() @ rows)
-            return
-        rows = rows.to(torch.float32)
         for i in range(0, self.n, BLOCK):
             self._upper[i : i + BLOCK, i:].addmm_(rows[:, i : i + BLOCK].t(), rows[:, i:])
 
