@@ -6,6 +6,7 @@ rotations, Gemma without), the checkpoint's transform_config and tensor as llm-c
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -214,3 +215,15 @@ def test_a_reload_offloaded_to_disk_rotates_too(r4_checkpoint, tokenizer):
     offloaded = quantkit.load(r4_checkpoint, dtype=torch.float32, offload="disk")
     with torch.no_grad():
         assert torch.equal(offloaded(ids).logits, whole(ids).logits)
+
+
+def test_r1_skipped_is_said_once_per_run(tiny_models, tmp_path, caplog):
+    """residual: auto on Gemma: the skipped R1 is said once, not again by the domain check's counterpart run."""
+    sets = ["stages.1.scheme=W8A16", "calibration.num_samples=4", "calibration.seq_len=32",
+            "calibration.check_samples=1"]
+    with caplog.at_level(logging.WARNING, logger="quantkit"):
+        record = quantize(str(tiny_models["gemma3_text"]), load_recipe("rotated-mxfp4", sets), tmp_path / "q",
+                          progress=False)
+    assert record.domain_check  # the check ran (its counterpart rotates too)
+    said = [r for r in caplog.records if "cannot take the residual-stream rotation" in r.getMessage()]
+    assert len(said) == 1

@@ -131,9 +131,8 @@ def _skeleton(path: Path, config, plan: Optional[QuantizedLayout], dtype: torch.
             raise CheckpointError(f"{path}: transformers cannot build this model: {exc}") from None
     unfuse_experts(model)  # MoE: one linear per expert, named as in the checkpoint
     quantized = _swap_quantized_modules(model, plan, dtype) if plan else set()
-    transforms = (read_config(path).get("quantization_config") or {}).get("transform_config")
     try:
-        online_rotation.attach_from_config(model, transforms, checkpoint_namer(model))
+        online_rotation.attach_from_config(model, plan.transforms if plan else None, checkpoint_namer(model))
     except ValueError as exc:
         raise CheckpointError(f"{path}/config.json: {exc}") from None
     if plan and plan.kv_cache_strategy:

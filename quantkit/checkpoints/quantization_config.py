@@ -96,6 +96,7 @@ class QuantizedLayout:
     groups: tuple[GroupPlan, ...]
     ignore: tuple[str, ...]
     kv_cache_strategy: str | None = None  # "tensor" | "attn_head" when the checkpoint has k_scale / v_scale
+    transforms: dict | None = None  # the transform_config as written (online rotations: `qmodules.online_rotation`)
 
     def lookup(self, name: str, module: nn.Module) -> GroupPlan | None:
         if matches(name, module, self.ignore):
@@ -140,4 +141,5 @@ def parse_quantization_config(qc: dict, where: str) -> QuantizedLayout:
         except CheckpointError as exc:
             raise CheckpointError(f"{where}: {exc}") from None
         groups.append(GroupPlan(gname, tuple(group.get("targets") or ()), fmt, scheme))
-    return QuantizedLayout(tuple(groups), tuple(qc.get("ignore") or ()), kv.get("strategy") if kv else None)
+    return QuantizedLayout(tuple(groups), tuple(qc.get("ignore") or ()), kv.get("strategy") if kv else None,
+                           qc.get("transform_config"))

@@ -5,6 +5,7 @@ of the same run (docs/pipeline.md has the whole story)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -74,6 +75,18 @@ class Options:
     # static activation scales per linear given to the round-to-nearest stages instead of calibrated (`rtn`, `fp8`:
     # `Algorithm.take_input_scales`); the domain check's counterpart takes those of the run it is compared with
     input_scales: Optional[dict] = None
+
+
+@contextlib.contextmanager
+def _warnings_already_said():
+    """quantkit's log below errors for the duration (a reference run whose warnings the user already saw)."""
+    logger = logging.getLogger("quantkit")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def run(model: Union[str, Path, nn.Module, None], recipe: Recipe,
@@ -242,7 +255,8 @@ class _Job:
         def quantize(model, recipe: Recipe, out: Optional[Path], scales: Optional[dict] = None) -> Optional[nn.Module]:
             quiet = Options(output=out, load="whole" if out is None else "layers", notify=lambda _: None,
                             dtype=self.choice.dtype, input_scales=scales)
-            return run(model if out is None else str(model), recipe, quiet)[0]
+            with _warnings_already_said():  # (the counterpart's stages repeat what this run's said)
+                return run(model if out is None else str(model), recipe, quiet)[0]
 
         rows, record.domain_warning = domain_check.run_check(
             self.source, kept, self.out, self.recipe, held, self.choice.dtype, opts.notify, quantize,

@@ -16,11 +16,12 @@ The product is computed in float32 (compressed-tensors' default precision for on
 from __future__ import annotations
 
 import math
-import re
 from typing import Optional
 
 import torch
 from torch import nn
+
+from quantkit.formats.targets import matches
 
 SCHEME = "R4"  # the transform scheme's name quantkit writes: the key in transform_config, the submodule's prefix
 
@@ -144,15 +145,9 @@ def attach_from_config(model: nn.Module, config: Optional[dict], namer=lambda na
 
 
 def _is_target(name: str, module: nn.Module, patterns: list[str]) -> bool:
-    """compressed-tensors' target matching ("re:" regexes matched against the full name, exact names, class names),
-    where the class name "Linear" also covers quantized linears."""
-    for pattern in patterns:
-        if pattern.startswith("re:"):
-            if re.match(pattern[3:], name):
-                return True
-        elif pattern in (name, type(module).__name__) or (pattern == "Linear" and hasattr(module, "in_features")):
-            return True
-    return False
+    """compressed-tensors' target matching (`formats.targets.matches`), where the class name "Linear" also covers
+    quantized linears (the skeleton's modules are already swapped when the transforms are attached)."""
+    return matches(name, module, patterns) or ("Linear" in patterns and hasattr(module, "in_features"))
 
 
 def check_matrices(model: nn.Module) -> None:
