@@ -17,7 +17,7 @@ from quantkit.formats.base import QuantFormat
 from quantkit.plugins.catalog import checkpoint_namer, quant_format
 from quantkit.qmodules import online_rotation
 from quantkit.quant.schemes import QuantScheme
-from quantkit.formats.targets import matches
+from quantkit.core.targets import matches
 
 log = logging.getLogger(__name__)
 QUANT_METHOD = "compressed-tensors"

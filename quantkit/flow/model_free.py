@@ -35,7 +35,7 @@ from quantkit.flow.layer_schemes import fit_group_size
 from quantkit.flow.recipe import Recipe
 from quantkit.formats.checkpoint import PASSTHROUGH_FILES, ShardWriter, checkpoint_dtype, read_config, write_json
 from quantkit.formats.lazy import LazyCheckpoint
-from quantkit.formats.targets import matches
+from quantkit.core.targets import matches
 from quantkit.checkpoints.quantization_config import quantization_config
 from quantkit.plugins.catalog import format_for
 from quantkit.quant import microscale

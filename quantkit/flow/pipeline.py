@@ -39,7 +39,7 @@ from quantkit.flow.layer_schemes import layer_schemes
 from quantkit.qmodules import online_rotation
 from quantkit.flow.recipe import Recipe, StageSpec
 from quantkit.quant.schemes import QuantScheme
-from quantkit.formats.targets import select_linears
+from quantkit.core.targets import select_linears
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from quantkit.formats.targets import matches
+from quantkit.core.targets import matches
 
 SCHEME = "R4"  # the transform scheme's name quantkit writes: the key in transform_config, the submodule's prefix
 
@@ -145,7 +145,7 @@ def attach_from_config(model: nn.Module, config: Optional[dict], namer=lambda na
 
 
 def _is_target(name: str, module: nn.Module, patterns: list[str]) -> bool:
-    """compressed-tensors' target matching (`formats.targets.matches`), where the class name "Linear" also covers
+    """compressed-tensors' target matching (`core.targets.matches`), where the class name "Linear" also covers
     quantized linears (the skeleton's modules are already swapped when the transforms are attached)."""
     return matches(name, module, patterns) or ("Linear" in patterns and hasattr(module, "in_features"))
 
