@@ -2,13 +2,14 @@
 
 Usage: python bench/vs_llmcompressor.py MODEL ALGO --peer-python /path/to/llmc-venv/bin/python
            [--group 64] [--peer-dtypes bfloat16,float32] [--windows 8] [--keep DIR]
-           [--variant OVERRIDES ...]   (quantkit runs, each with comma-separated --set overrides; '' = the recipe)
+           [--variant OVERRIDES ...]   (quantkit runs, each with comma-separated --set overrides; '' = the recipe;
+                                        '@RECIPE_FILE,OVERRIDES': another recipe, e.g. an added stage)
 Set up the peer once:  python3 -m venv V && V/bin/pip install torch==2.13.0 && V/bin/pip install llmcompressor==0.14.0.1
 
 Both calibrate on the same tokens (the recipe's: quantkit's own chunks, handed to llm-compressor as a
 tokenized dataset). ALGO gptq / awq: W4A16 symmetric with the same group size (gptq: static act-order;
 awq: duo scaling both, then round-to-nearest); w8a8-smoothquant (SmoothQuant with the recipe's alpha,
-then GPTQ to W8A8), w8a8-dynamic (round to nearest W8A8), w4afp8 (GPTQ, static act-order), nvfp4a16 and mxfp8
+then GPTQ to W8A8), w8a8-dynamic (round to nearest W8A8), w4afp8 (quantkit: AWQ + GPTQ; the peer: its GPTQ, static act-order), nvfp4a16 and mxfp8
 (round to nearest), nvfp4 and mxfp4 (GPTQ, static act-order): the compressed-tensors presets of those names,
 --group ignored. Times are each job's load + calibrate +
 save, measured inside its process (interpreter start and imports excluded for both). Quality is
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PEER = Path(__file__).with_name("llmc_peer.py")
 # recipe, index of the stage with the scheme, whether --group applies
 RECIPES = {"gptq": ("gptq-w4a16", 0, True), "awq": ("awq-w4a16", 1, True), "w8a8-smoothquant": ("w8a8-smoothquant", 1, False),
-           "w8a8-dynamic": ("w8a8-dynamic", 0, False), "w4afp8": ("w4afp8", 0, False),
+           "w8a8-dynamic": ("w8a8-dynamic", 0, False), "w4afp8": ("w4afp8", 1, False),
            "nvfp4a16": ("nvfp4a16", 0, False), "nvfp4": ("nvfp4", 0, False), "mxfp4": ("mxfp4", 0, False),
            "mxfp8": ("mxfp8", 0, False)}
 
@@ -86,11 +87,12 @@ def main() -> None:
     rows = []
     for vi, variant in enumerate(args.variant or [""]):
         sets = [o for o in variant.split(",") if o]
+        recipe_ref = sets.pop(0)[1:] if sets and sets[0].startswith("@") else name  # '@FILE,...': another recipe
         start = time.perf_counter()
-        report = quantize(str(source), load_recipe(name, [*base_sets, *sets]),
+        report = quantize(str(source), load_recipe(recipe_ref, [*base_sets, *sets] if recipe_ref == name else sets),
                           root / f"quantkit-{vi}", overwrite=True, progress=False)
         rows.append({"tool": "quantkit", "dtype": report.compute.name, "seconds": time.perf_counter() - start,
-                     "path": report.output, "variant": ",".join(sets) or "recipe as is"})
+                     "path": report.output, "variant": variant or "recipe as is"})
     for dtype in args.peer_dtypes.split(","):
         out = root / f"llmc-{dtype}"
         cmd = [args.peer_python, str(PEER), "--model", str(source), "--tokens", str(token_file), "--algo", args.algo,

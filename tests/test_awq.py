@@ -296,3 +296,79 @@ def test_searching_both_grids_is_never_worse_than_one(tokenizer):
         errors[duo] = [awq.report[f"model.layers.0.{n}"]["awq_error_vs_unscaled"]
                        for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")]
     assert all(b <= min(t, f) + 1e-12 for b, t, f in zip(errors["both"], errors[True], errors[False]))
+
+
+def test_input_fake_quantizer_does_what_the_kernels_do():
+    from quantkit.kernels.reference import fp8_quantize_per_token, int8_quantize_per_token
+    from quantkit.quant import microscale
+    from quantkit.quant.awq import input_fake_quantizer
+    from quantkit.quant.schemes import resolve_scheme
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 64) * torch.linspace(0.1, 30.0, 64)
+    assert input_fake_quantizer(resolve_scheme("W4A16", {})) is None
+    assert input_fake_quantizer(resolve_scheme("W8A8", {"input_activations": {"strategy": "tensor", "dynamic": False,
+                                                                             "type": "int"}})) is None  # static: later
+    q, s = fp8_quantize_per_token(x)
+    assert torch.equal(input_fake_quantizer(resolve_scheme("W4AFP8", {}))(x), q.float() * s)
+    q, s = int8_quantize_per_token(x)
+    assert torch.equal(input_fake_quantizer(resolve_scheme("W8A8", {}))(x), q.float() * s)
+    gs = microscale.nvfp4_global_scale(x.abs().amax())
+    assert torch.equal(input_fake_quantizer(resolve_scheme("NVFP4", {}))(x), microscale.fake_quantize_input(x, 4, 16, gs))
+    assert torch.equal(input_fake_quantizer(resolve_scheme("MXFP4", {}))(x), microscale.fake_quantize_input(x, 4, 32, None))
+    w = torch.randn(8, 64)
+    assert torch.equal(fake_quantize(w, resolve_scheme("NVFP4", {}), torch.float32),
+                       microscale.quantize_weight(w, resolve_scheme("NVFP4", {})).dequantize(torch.float32))
+
+
+def _w4a4_attention_error(ctx, scheme) -> float:
+    """Output error of layer 0's attention block with q/k/v weights and inputs quantized as `scheme`'s kernels do."""
+    from quantkit.quant.awq import input_fake_quantizer
+
+    attn, quantize_input = ctx.layer.self_attn, input_fake_quantizer(scheme)
+    names = ("q_proj", "k_proj", "v_proj")
+    saved = {n: getattr(attn, n).weight.data.clone() for n in names}
+    outs, total = [], 0.0
+    with torch.no_grad():
+        for h, kw in zip(ctx.hidden, ctx.kwargs):
+            x = ctx.layer.input_layernorm(h)
+            outs.append(attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "use_cache"})[0])
+        hooks = [getattr(attn, n).register_forward_pre_hook(lambda m, a: (quantize_input(a[0]),)) for n in names]
+        for n, w in saved.items():
+            getattr(attn, n).weight.data = fake_quantize(w, scheme, torch.float32)
+        for (h, kw), ref in zip(zip(ctx.hidden, ctx.kwargs), outs):
+            x = ctx.layer.input_layernorm(h)
+            total += float((attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "use_cache"})[0] - ref).pow(2).sum())
+        for hook in hooks:
+            hook.remove()
+        for n, w in saved.items():
+            getattr(attn, n).weight.data = w
+    return total
+
+
+def test_search_scores_quantized_inputs_where_the_scheme_quantizes_them(tokenizer):
+    """NVFP4 (W4A4): scales searched with the inputs quantized as the kernels will are never worse, on that
+    error, than scales searched for the weights alone (NVFP4A16: the same candidates); no hook is left behind."""
+    from quantkit.quant.schemes import resolve_scheme
+
+    nvfp4, weight_only = resolve_scheme("NVFP4", {}), resolve_scheme("NVFP4A16", {})
+    errors = {}
+    for name, search_scheme in (("w4a4", nvfp4), ("w4a16", weight_only)):
+        _, ctx = _layer_context(tokenizer)
+        ctx.schemes = {n: search_scheme for n in ctx.linears}
+        unscaled = _w4a4_attention_error(ctx, nvfp4)
+        AWQ(AWQConfig(clip=False), None).transform_layer(ctx)
+        assert all(not lin._forward_pre_hooks for lin in ctx.linears.values())
+        errors[name] = _w4a4_attention_error(ctx, nvfp4)
+        assert errors[name] < unscaled
+    assert errors["w4a4"] <= errors["w4a16"] * (1 + 1e-6)
+
+
+def test_micro_schemes_refuse_the_clipping_search(tokenizer):
+    from quantkit.errors import RecipeError
+    from quantkit.quant.schemes import resolve_scheme
+
+    _, ctx = _layer_context(tokenizer)
+    ctx.schemes = {n: resolve_scheme("NVFP4", {}) for n in ctx.linears}
+    with pytest.raises(RecipeError, match="clip: false"):
+        AWQ(AWQConfig(clip=True), None).transform_layer(ctx)

@@ -257,7 +257,7 @@ def test_counterpart_takes_the_runs_activation_scales(tiny_llama, tmp_path, monk
     from quantkit.flow.job import Options, run
 
     small = ["calibration.num_samples=4", "calibration.seq_len=32", "calibration.check_samples=0"]
-    recipe = load_recipe("nvfp4", small)
+    recipe = load_recipe("gptq-w4a16", [*small, "stages.0.scheme=NVFP4"])  # GPTQ alone onto NVFP4 W4A4
     ours, _ = run(str(tiny_llama), recipe, Options(dtype=torch.float32))
     scales = domain_check.run_scales(recipe, ours, None, tiny_llama)
     assert scales and all(name.endswith("_proj") and s.numel() == 1 for name, s in scales.items())
@@ -265,6 +265,7 @@ def test_counterpart_takes_the_runs_activation_scales(tiny_llama, tmp_path, monk
     from_disk = domain_check.run_scales(recipe, None, tmp_path / "q", tiny_llama)
     assert from_disk.keys() == scales.keys()
     assert domain_check.run_scales(load_recipe("awq-w4a16"), ours, None, tiny_llama) is None
+    assert domain_check.run_scales(load_recipe("nvfp4"), ours, None, tiny_llama) is None  # the shipped one has AWQ
 
     counterpart = domain_check.rtn_counterpart(recipe)
     calibrated, _ = run(str(tiny_llama), counterpart, Options(dtype=torch.float32))

@@ -141,6 +141,24 @@ def test_ppl_equals_the_float32_evaluator_and_kld_the_full_logits(tiny_llama, rt
     assert all(len(d["sha256"]) == 64 for d in res.protocol["datasets"]) and res.protocol["bos"] is False
 
 
+def test_a_stride_scores_every_nth_position_of_each_window(tiny_llama, rtn_llama, tokenizer, monkeypatch):
+    """score(stride=4) gives the stride-1 per-position values at positions 3, 7, ... of each window."""
+    from quantkit.calibration.data import load_text, tokenize
+    from quantkit.eval.compare import Text, score
+
+    monkeypatch.setattr(compare_mod, "LOGIT_ELEMENTS", 512 * 5)  # chunks that cut across windows
+    ids = tokenize(tokenizer, load_text("emma"))
+    w = windows(ids, 32, 3, None)  # [3, 32]
+    models = [quantkit.load(tiny_llama, dtype=torch.float32), quantkit.load(rtn_llama, dtype=torch.float32)]
+    text = [Text("emma", "0" * 64, w.flatten(), w)]
+    (full,), _ = score(models, text, batch_size=2)
+    (sampled,), _ = score(models, text, batch_size=2, stride=4)
+    expected = full[1].kld_values().reshape(3, 31)[:, 3::4].reshape(-1)
+    assert expected.numel() == 3 * 7 and sampled[1].kld_values().numel() == 3 * 7
+    torch.testing.assert_close(sampled[1].kld_values(), expected, rtol=1e-4, atol=2e-6)  # other chunks: float rounding
+    assert float(expected.min()) > 0  # a real difference is being sampled, not zeros
+
+
 def test_bos_windows_for_gemma(tiny_models, tmp_path, texts):
     copy = tmp_path / "g"
     shutil.copytree(tiny_models["gemma3_text"], copy)

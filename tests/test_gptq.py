@@ -541,7 +541,7 @@ def test_activation_target_schemes(tiny_models, tokenizer):
         GPTQ(GPTQConfig(activation_target=True), QuantScheme(**PRESETS["W8A8"]))
     path = str(tiny_models["llama"])
     small = ["calibration.num_samples=4", "calibration.seq_len=32", "calibration.check_samples=0"]
-    on = quantize_in_memory(path, "nvfp4", [*small, "stages.0.scheme=NVFP4A16"])[0]
-    off = quantize_in_memory(path, "nvfp4", [*small, "stages.0.scheme=NVFP4A16",
-                                             "stages.0.args.activation_target=false"])[0]
+    on = quantize_in_memory(path, "nvfp4", [*small, "stages.1.scheme=NVFP4A16"])[0]  # stage 0: awq
+    off = quantize_in_memory(path, "nvfp4", [*small, "stages.1.scheme=NVFP4A16",
+                                             "stages.1.args.activation_target=false"])[0]
     assert all(torch.equal(a, b) for a, b in zip(on.state_dict().values(), off.state_dict().values()))

@@ -157,8 +157,9 @@ def test_smollm2_nvfp4_end_to_end(smollm2, emma_ppl, tmp_path):
     original = emma_ppl(smollm2, 2)
     calib = ["calibration.num_samples=8", "calibration.seq_len=256", "calibration.check_samples=0"]
     rtn = quantize("smollm2-135m", load_recipe("nvfp4a16"), tmp_path / "rtn", progress=False)
-    gptq = quantize("smollm2-135m", load_recipe("nvfp4", [*calib, "stages.0.scheme=NVFP4A16"]), tmp_path / "gptq",
-                    progress=False)
+    gptq = quantize("smollm2-135m", load_recipe("gptq-w4a16", [*calib, "stages.0.scheme=NVFP4A16",
+                                                                "stages.0.args.scale_search=true"]),
+                    tmp_path / "gptq", progress=False)
     ppl = {name: emma_ppl(r.output, 2) for name, r in (("rtn", rtn), ("gptq", gptq))}
     print(f"emma 2 x 512 perplexity: original {original:.3f}, " + ", ".join(f"{k} {v:.3f}" for k, v in ppl.items()))
     assert original < ppl["gptq"] < ppl["rtn"] < 1.3 * original

@@ -124,7 +124,7 @@ def test_w4afp8_module_equals_a_float_reference():
 def w8a8_checkpoints(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("w8a8")
     calib = ["calibration.num_samples=4", "calibration.seq_len=32"]
-    cases = {"w8a8-dynamic": ("w8a8-dynamic", []), "w4afp8": ("w4afp8", calib + ["stages.0.scheme.group_size=32"]),
+    cases = {"w8a8-dynamic": ("w8a8-dynamic", []), "w4afp8": ("w4afp8", calib + ["stages.1.scheme.group_size=32"]),
              "gptq-w8a8": ("gptq-w8a16", calib + ["stages.0.scheme=W8A8"]),
              "w8a8-smoothquant": ("w8a8-smoothquant", calib)}
     return {name: quantize(str(tiny_models["llama"]), load_recipe(recipe, overrides), root / name,
@@ -157,7 +157,7 @@ def test_int_quantized_layout_and_compressed_tensors_decompression(w8a8_checkpoi
 @pytest.mark.parametrize("recipe", ["w8a8-dynamic", "w4afp8", "w8a8-smoothquant"])
 def test_reloaded_model_equals_the_in_memory_one(tiny_models, tokenizer, tmp_path, recipe):
     overrides = {"w8a8-dynamic": [], "w8a8-smoothquant": ["calibration.num_samples=4", "calibration.seq_len=32"],
-                 "w4afp8": ["calibration.num_samples=4", "calibration.seq_len=32", "stages.0.scheme.group_size=32"]}[recipe]
+                 "w4afp8": ["calibration.num_samples=4", "calibration.seq_len=32", "stages.1.scheme.group_size=32"]}[recipe]
     in_memory, _ = quantkit.quantize(tiny_models["llama"], recipe, overrides=overrides, dtype=torch.float32)
     quantkit.save(in_memory, tmp_path / "q")
     reloaded = quantkit.load(tmp_path / "q", dtype=torch.float32)

@@ -15,7 +15,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Callable, Literal, Optional, Union
 
 import torch
 from pydantic import Field
@@ -25,9 +25,11 @@ from quantkit.calibration import distributed
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig, LayerContext
 from quantkit.arch.adapter import ScaleGroup
 from quantkit.calibration.driver import drive_layer
-from quantkit.quant.awq import apply_clip, candidate_scales, clip_refine, clip_search, diagonal_blocks, fake_quantize, weight_magnitude
+from quantkit.quant.awq import (apply_clip, candidate_scales, clip_refine, clip_search, diagonal_blocks, fake_quantize,
+                                input_fake_quantizer, weight_magnitude)
 from quantkit.quant.hessian import HessianAccumulator
 from quantkit.core.registry import ALGORITHMS
+from quantkit.errors import RecipeError
 from quantkit.quant.smoothing import fold_scales, repeated_heads_index
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,9 @@ class AWQ(Algorithm):
         groups = self._active_groups(ctx)
         leader = _input_leaders(ctx)
         clipped = [n for n in ctx.linears if self.config.clip and not _matches(n, self.config.clip_skip)]
+        if any(ctx.schemes[n].is_micro for n in clipped):
+            raise RecipeError("awq: the clipping search is for int grids; with an NVFP4 / MX scheme set "
+                              "`clip: false` (GPTQ after AWQ chooses the ranges)")
         rec = self._record(ctx, groups, {leader[n] for n in clipped}, leader)
         input_scale: dict[str, torch.Tensor] = {}  # linear -> scales its input was divided by
         for group, index in groups:
@@ -178,6 +183,10 @@ class AWQ(Algorithm):
         smooth = ctx.layer.get_submodule(group.smooth)
         world = distributed.current()
 
+        # a scheme that quantizes the balance inputs too (NVFP4, MX, W4AFP8): the candidates are scored with the
+        # inputs scaled (x * factor) and quantized as the kernels will, so the scales serve both quantizers
+        inputs = _InputQuantization(input_fake_quantizer(schemes[0]), [ctx.linears[n] for n in names])
+
         def loss(smooth_scales) -> float:
             scales = smooth_scales if index is None or smooth_scales is None else smooth_scales[index]
             # what folding will really do to the balance inputs: x -> x * factor (1/s up to rounding)
@@ -185,13 +194,14 @@ class AWQ(Algorithm):
                 _fold_factor(smooth, smooth_scales, ctx.adapter.norm_weight_offset, ctx.scale_dtype)
             if factor is not None and index is not None:
                 factor = factor[index]
+            inputs.factor = factor
             for (n, w), scheme in zip(weights.items(), schemes):
                 # the balance weight as it will be stored (scaled, in the checkpoint dtype), clipped, quantized
                 wf = w.float() if scales is None else (w.float() * scales).to(ctx.scale_dtype).float()
                 if n in clipped:
                     wf = apply_clip(wf, self._clip_factors(ctx, n, wf, rec.hessian(leader[n]), scales, 0), scheme)
                 q = fake_quantize(wf, scheme, ctx.scale_dtype)
-                ctx.linears[n].weight.data = (q if factor is None else q * factor).to(w.dtype)
+                ctx.linears[n].weight.data = (q if factor is None or inputs.active else q * factor).to(w.dtype)
             total, count = 0.0, 0
             for args, kwargs, ref in calls:
                 out = parent(*args, **kwargs)
@@ -215,6 +225,7 @@ class AWQ(Algorithm):
                 if err < best_err:
                     best_err, best_ratio, best = err, ratio, scales
         finally:
+            inputs.remove()
             for n, w in weights.items():
                 ctx.linears[n].weight.data = w
         for n in names:
@@ -240,6 +251,35 @@ class AWQ(Algorithm):
         factors = self._clip_factors(ctx, name, lin.weight.data, hessian, scales, self.config.clip_joint_sweeps)
         lin.weight.data = apply_clip(lin.weight.data, factors, scheme).to(lin.weight.dtype)
         self.report.setdefault(name, {})["awq_clip_mean"] = round(float(factors.mean()), 4)
+
+
+class _InputQuantization:
+    """Forward pre-hooks on the balance linears during the scale search: each input becomes
+    quantize(x * factor), the scaled input quantized as the scheme's kernel will (inactive for weight-only schemes,
+    where the factor is folded into the weights instead)."""
+
+    def __init__(self, quantize: Optional[Callable[[torch.Tensor], torch.Tensor]], linears: list[nn.Module]):
+        self.quantize, self.factor = quantize, None
+        self.handles = [] if quantize is None else [lin.register_forward_pre_hook(self._hook) for lin in linears]
+        self._last: Optional[tuple] = None  # (x, factor, result): q/k/v (gate/up) read the same input tensor
+
+    @property
+    def active(self) -> bool:
+        return self.quantize is not None
+
+    def _hook(self, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if self._last is not None and self._last[0] is x and self._last[1] is self.factor:
+            return (self._last[2], *args[1:])
+        scaled = x.float() if self.factor is None else x.float() * self.factor.to(x.device)
+        result = self.quantize(scaled).to(x.dtype)
+        self._last = (x, self.factor, result)
+        return (result, *args[1:])
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self._last = [], None
 
 
 def _fold_factor(smooth: nn.Module, scales: torch.Tensor, offset: float, storage_dtype: torch.dtype) -> torch.Tensor:

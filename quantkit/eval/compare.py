@@ -235,8 +235,12 @@ def _hidden(model: nn.Module, ids: torch.Tensor, cache) -> torch.Tensor:
 
 
 def score(models: list[nn.Module], texts: list[Text], batch_size: int = 1, kv_cache_dtype: Optional[str] = None,
-          progress: Optional[Callable[[int, int], None]] = None) -> tuple[list[list[Tally]], list[float]]:
+          progress: Optional[Callable[[int, int], None]] = None, stride: int = 1) -> tuple[list[list[Tally]], list[float]]:
     """Tallies [text][model] and each model's seconds; models[0] is the reference for KLD and top-1.
+
+    stride > 1 scores every stride-th predicted position of each window (the last of each stride): the models run
+    on every token as always, but the head, log-softmax and divergences (most of the time at a large vocabulary)
+    see 1 / stride of the positions. `quantkit eval` scores all; the quantize run's domain check a sample.
 
     kv_cache_dtype applies to the checkpoints (models[1:]); the reference keeps its own 16-bit cache, so
     an FP8 KV cache's loss shows as divergence from the unquantized model instead of being in both.
@@ -258,12 +262,12 @@ def score(models: list[nn.Module], texts: list[Text], batch_size: int = 1, kv_ca
             tallies = [Tally() for _ in models]
             for batch in text.windows.split(batch_size):
                 batch = batch.to(device)
-                targets = batch[:, 1:].reshape(-1)
+                targets = batch[:, 1:][:, stride - 1 :: stride].reshape(-1)
                 hidden = []
                 for i, m in enumerate(models):
                     t0 = time.perf_counter()
                     h = _hidden(m, batch, caches[i]())
-                    hidden.append(h[:, :-1].reshape(-1, h.shape[-1]))
+                    hidden.append(h[:, :-1][:, stride - 1 :: stride].reshape(-1, h.shape[-1]))
                     seconds[i] += time.perf_counter() - t0
                 for start in range(0, targets.numel(), chunk):
                     tgt = targets[start : start + chunk]
