@@ -301,7 +301,7 @@ def test_searching_both_grids_is_never_worse_than_one(tokenizer):
 def test_input_fake_quantizer_does_what_the_kernels_do():
     from quantkit.kernels.reference import fp8_quantize_per_token, int8_quantize_per_token
     from quantkit.quant import microscale
-    from quantkit.quant.awq import input_fake_quantizer
+    from quantkit.kernels.reference import input_fake_quantizer
     from quantkit.quant.schemes import resolve_scheme
 
     torch.manual_seed(0)
@@ -323,7 +323,7 @@ def test_input_fake_quantizer_does_what_the_kernels_do():
 
 def _w4a4_attention_error(ctx, scheme) -> float:
     """Output error of layer 0's attention block with q/k/v weights and inputs quantized as `scheme`'s kernels do."""
-    from quantkit.quant.awq import input_fake_quantizer
+    from quantkit.kernels.reference import input_fake_quantizer
 
     attn, quantize_input = ctx.layer.self_attn, input_fake_quantizer(scheme)
     names = ("q_proj", "k_proj", "v_proj")

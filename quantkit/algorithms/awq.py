@@ -25,8 +25,8 @@ from quantkit.calibration import distributed
 from quantkit.algorithms.base import Algorithm, AlgorithmConfig, LayerContext
 from quantkit.arch.adapter import ScaleGroup
 from quantkit.calibration.driver import drive_layer
-from quantkit.quant.awq import (apply_clip, candidate_scales, clip_refine, clip_search, diagonal_blocks, fake_quantize,
-                                input_fake_quantizer, weight_magnitude)
+from quantkit.kernels.reference import input_fake_quantizer
+from quantkit.quant.awq import apply_clip, candidate_scales, clip_refine, clip_search, diagonal_blocks, fake_quantize, weight_magnitude
 from quantkit.quant.hessian import HessianAccumulator
 from quantkit.core.registry import ALGORITHMS
 from quantkit.errors import RecipeError
@@ -177,11 +177,8 @@ class AWQ(Algorithm):
         w_mean = weight_magnitude(list(weights.values()), schemes[0])
         if index is not None:  # one scale per smooth output: average over the balance inputs it feeds
             x_mean, w_mean = _tied_mean(x_mean, index), _tied_mean(w_mean, index)
-        parent = ctx.layer.get_submodule(group.parent)
-        calls = rec.calls.get(group.parent, [])
-
+        parent, calls = ctx.layer.get_submodule(group.parent), rec.calls.get(group.parent, [])
         smooth = ctx.layer.get_submodule(group.smooth)
-        world = distributed.current()
 
         # a scheme that quantizes the balance inputs too (NVFP4, MX, W4AFP8): the candidates are scored with the
         # inputs scaled (x * factor) and quantized as the kernels will, so the scales serve both quantizers
@@ -202,28 +199,11 @@ class AWQ(Algorithm):
                     wf = apply_clip(wf, self._clip_factors(ctx, n, wf, rec.hessian(leader[n]), scales, 0), scheme)
                 q = fake_quantize(wf, scheme, ctx.scale_dtype)
                 ctx.linears[n].weight.data = (q if factor is None or inputs.active else q * factor).to(w.dtype)
-            total, count = 0.0, 0
-            for args, kwargs, ref in calls:
-                out = parent(*args, **kwargs)
-                out = out[0] if isinstance(out, tuple) else out
-                total += float((out.float() - ref.float()).pow(2).sum())
-                count += ref.numel()
-            if world.active:  # every rank's samples: the same loss, so the same choice, on every rank
-                total, count = world.sum_numbers([total, count], f"AWQ {', '.join(names)}: search loss")
-            return total / max(count, 1)
+            return _block_error(parent, calls, names)
 
         try:
             base = loss(None)  # quantized without scaling
-            best_err, best_ratio, best = base, None, None
-            duo = self.config.duo_scaling
-            for i, use_duo in itertools.product(range(self.config.n_grid), (True, False) if duo == "both" else (duo,)):
-                ratio = i / self.config.n_grid
-                scales = candidate_scales(x_mean, w_mean, ratio, use_duo)
-                err = loss(scales)
-                if not math.isfinite(err):
-                    continue
-                if err < best_err:
-                    best_err, best_ratio, best = err, ratio, scales
+            best_err, best_ratio, best = self._best_candidate(loss, base, x_mean, w_mean)
         finally:
             inputs.remove()
             for n, w in weights.items():
@@ -233,6 +213,19 @@ class AWQ(Algorithm):
         if best is None:
             log.info("AWQ %s: no scale beats plain quantization; left unscaled", ", ".join(names))
         return best
+
+    def _best_candidate(self, loss: Callable[[torch.Tensor], float], base: float, x_mean: torch.Tensor,
+                        w_mean: torch.Tensor) -> tuple[float, Optional[float], Optional[torch.Tensor]]:
+        """(error, exponent, scales) of the grid's best candidate; (base, None, None) when none beats no scaling."""
+        best_err, best_ratio, best = base, None, None
+        duo = self.config.duo_scaling
+        for i, use_duo in itertools.product(range(self.config.n_grid), (True, False) if duo == "both" else (duo,)):
+            ratio = i / self.config.n_grid
+            scales = candidate_scales(x_mean, w_mean, ratio, use_duo)
+            err = loss(scales)
+            if math.isfinite(err) and err < best_err:
+                best_err, best_ratio, best = err, ratio, scales
+        return best_err, best_ratio, best
 
     # -- clipping ----------------------------------------------------------------------------
 
@@ -251,6 +244,21 @@ class AWQ(Algorithm):
         factors = self._clip_factors(ctx, name, lin.weight.data, hessian, scales, self.config.clip_joint_sweeps)
         lin.weight.data = apply_clip(lin.weight.data, factors, scheme).to(lin.weight.dtype)
         self.report.setdefault(name, {})["awq_clip_mean"] = round(float(factors.mean()), 4)
+
+
+def _block_error(parent: nn.Module, calls: list, names: list[str]) -> float:
+    """Mean squared error of the parent block's outputs against the recorded float ones, over every rank's samples
+    (the same loss, so the same choice, on every rank)."""
+    total, count = 0.0, 0
+    for args, kwargs, ref in calls:
+        out = parent(*args, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        total += float((out.float() - ref.float()).pow(2).sum())
+        count += ref.numel()
+    world = distributed.current()
+    if world.active:
+        total, count = world.sum_numbers([total, count], f"AWQ {', '.join(names)}: search loss")
+    return total / max(count, 1)
 
 
 class _InputQuantization:

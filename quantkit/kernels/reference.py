@@ -6,12 +6,14 @@ linear (any device, any bit width), so they favour clarity over speed.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from quantkit.quant import microscale
 from quantkit.quant.fp8 import FP8_MAX  # largest finite float8_e4m3fn, defined once
+from quantkit.quant.schemes import QuantScheme
 
 
 def int_weight_matmul(
@@ -119,3 +121,23 @@ def int8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq_t: torch.Tensor, w_s
     while every sum fits int32 (K <= 133000)."""
     acc = torch._int_mm(xq, wq_t).float()
     return _int8_epilogue(acc, x_scale, w_scale, out_dtype, bias)
+
+
+def input_fake_quantizer(scheme: QuantScheme) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """What the scheme's kernels do to a linear's input, as x -> quantized and dequantized x (float32): NVFP4 (its
+    global scale from x itself, as calibration will set it), MX, dynamic per-token FP8 or int8 (the rules above).
+    None where the inputs stay as they are or take a static scale (not calibrated yet when AWQ searches)."""
+    acts = scheme.input_activations
+    if acts is None or not (acts.microscaled or acts.dynamic):
+        return None
+    if acts.microscaled:
+        def micro(x: torch.Tensor) -> torch.Tensor:
+            gs = microscale.nvfp4_global_scale(x.abs().amax().float()) if acts.dynamic == "local" else None
+            return microscale.fake_quantize_input(x, acts.num_bits, acts.group_size, gs)
+        return micro
+    per_token = fp8_quantize_per_token if acts.type == "float" else int8_quantize_per_token
+
+    def dynamic(x: torch.Tensor) -> torch.Tensor:
+        q, s = per_token(x)
+        return q.float() * s
+    return dynamic

@@ -12,11 +12,9 @@ one group's rounding error can partly cancel another's.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
-
 import torch
 
-from quantkit.quant import fp8, microscale
+from quantkit.quant import microscale
 from quantkit.quant.intq import _grouped, rtn
 from quantkit.quant.schemes import QuantScheme
 
@@ -26,30 +24,6 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype
     if scheme.is_micro:
         return microscale.quantize_weight(w.float(), scheme).dequantize(torch.float32)
     return rtn(w, scheme, scale_dtype).dequantize(torch.float32)
-
-
-def input_fake_quantizer(scheme: QuantScheme) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """What the scheme's kernels do to a linear's input, as x -> quantized and dequantized x (float32): NVFP4 (its
-    global scale from x itself, as calibration will set it), MX, dynamic per-token FP8 or int8. None where the
-    inputs stay as they are or take a static scale (not calibrated yet when the scales are searched)."""
-    acts = scheme.input_activations
-    if acts is None:
-        return None
-    if acts.microscaled:
-        def micro(x: torch.Tensor) -> torch.Tensor:
-            gs = microscale.nvfp4_global_scale(x.abs().amax().float()) if acts.dynamic == "local" else None
-            return microscale.fake_quantize_input(x, acts.num_bits, acts.group_size, gs)
-        return micro
-    if not acts.dynamic:
-        return None
-    if acts.type == "float":
-        return lambda x: fp8.fake_quantize(x.float(), x.float().abs().amax(-1, keepdim=True).clamp(min=fp8.TINY) / fp8.FP8_MAX)
-
-    def int8(x: torch.Tensor) -> torch.Tensor:
-        amax = x.float().abs().amax(-1, keepdim=True)  # vLLM's rule: round(x * 127 / amax), saturated
-        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-        return torch.round(x.float() * inv).clamp_(-128, 127) * (amax / 127)
-    return int8
 
 
 def weight_magnitude(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
