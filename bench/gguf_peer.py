@@ -10,6 +10,8 @@ tools (`bash ../shared/tools/build-llamacpp.sh`; LLAMACPP_HOME, default ~/.cache
 
     python bench/gguf_peer.py smollm2-135m --work /tmp/ggbench   # both protocols: 40 x 512 and 16 x 2048
     python bench/gguf_peer.py smollm2-135m --kinds Q4_K_M --recipes gptq-q4_k_m   # one file type only
+    python bench/gguf_peer.py smollm2-135m --reuse-llamacpp --recipes 'gptq-q4_0,gptq-q4_0@stages.0.args.dampening_frac=0.05'
+                                            # a recipe with overrides (--set KEY=VALUE each, '@'-separated)
 """
 
 from __future__ import annotations
@@ -133,16 +135,25 @@ def _llamacpp(L: Path, f16: Path, calib: Path, w: Path, times: dict, files: dict
             files[name] = out
 
 
+def _variant(spec: str) -> tuple[str, list[str], str]:
+    """'RECIPE[@KEY=VALUE@KEY=VALUE...]' -> (the recipe, its --set arguments, a file-name tag)."""
+    recipe, *sets = spec.split("@")
+    short = [s.split("=", 1)[0].rsplit(".", 1)[-1] + "_" + s.split("=", 1)[-1] for s in sets]  # last key, value
+    tag = "-".join([recipe, *(re.sub(r"[^A-Za-z0-9._]+", "_", t) for t in short)])
+    return recipe, [a for s in sets for a in ("--set", s)], tag
+
+
 def _quantkit(args, model: Path, w: Path, times: dict, files: dict) -> None:
-    for recipe in args.recipes.split(","):
-        ckpt = w / f"quantkit-{recipe}"
+    for spec in args.recipes.split(","):
+        recipe, sets, tag = _variant(spec)
+        ckpt = w / f"quantkit-{tag}"
         t = run([sys.executable, "-m", "quantkit", "quantize", str(model), "--recipe", recipe, "-o", str(ckpt),
-                 "--overwrite"], w / f"{recipe}.log")
-        out = w / f"quantkit-{recipe}.gguf"
+                 "--overwrite", *sets], w / f"{tag}.log")
+        out = w / f"quantkit-{tag}.gguf"
         t += run([sys.executable, "-m", "quantkit", "export", "gguf", str(ckpt), "-o", str(out), "--overwrite"],
-                 w / f"{recipe}-export.log")
-        times[f"quantkit {recipe}"] = t
-        files[f"quantkit {recipe}"] = out
+                 w / f"{tag}-export.log")
+        times[f"quantkit {spec}"] = t
+        files[f"quantkit {spec}"] = out
 
 
 def _report(args, L: Path, f16: Path, w: Path, times: dict, files: dict) -> None:
@@ -155,7 +166,8 @@ def _report(args, L: Path, f16: Path, w: Path, times: dict, files: dict) -> None
 
 def _peer_of(name: str) -> Optional[str]:
     """The llama.cpp row a quantkit recipe is held against (its file type with the importance matrix)."""
-    kind = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "q4_1": "Q4_1"}.get(name.rsplit("-", 1)[-1])
+    recipe = name.split("@", 1)[0]
+    kind = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "q4_1": "Q4_1"}.get(recipe.rsplit("-", 1)[-1])
     if kind is None:
         return None
     return f"llama.cpp {kind}" + ("" if kind == "Q8_0" else " + imatrix")

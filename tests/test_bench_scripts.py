@@ -130,3 +130,17 @@ def test_serve_bench_measures_throughput_and_kv(tiny_llama):
     out = run("kv", str(tiny_llama), "--kv-cache-gb", "0.0005", "--kv-requests", "12", "--dtype", "float32")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "paged: up to" in out.stdout and "contiguous caches of the longest request" in out.stdout
+
+
+def test_gguf_peer_recipe_variants_and_their_peers():
+    """'RECIPE@KEY=VALUE...' runs the recipe with those overrides under its own file names, held against the same
+    llama.cpp file type as the recipe itself."""
+    peer = _script("gguf_peer")
+    recipe, sets, tag = peer._variant("gptq-q4_0@stages.0.args.dampening_frac=0.05@calibration.check_samples=0")
+    assert (recipe, sets) == ("gptq-q4_0", ["--set", "stages.0.args.dampening_frac=0.05",
+                                            "--set", "calibration.check_samples=0"])
+    assert tag == "gptq-q4_0-dampening_frac_0.05-check_samples_0"
+    assert peer._variant("awq-q4_0") == ("awq-q4_0", [], "awq-q4_0")
+    assert peer._peer_of("quantkit gptq-q4_0@stages.0.args.dampening_frac=0.05") == "llama.cpp Q4_0 + imatrix"
+    assert peer._peer_of("quantkit gptq-q8_0") == "llama.cpp Q8_0"
+    assert peer._peer_of("quantkit gptq-w4a16") is None
