@@ -138,8 +138,8 @@ def _llamacpp(L: Path, f16: Path, calib: Path, w: Path, times: dict, files: dict
 def _variant(spec: str) -> tuple[str, list[str], str]:
     """'RECIPE[@KEY=VALUE@KEY=VALUE...]' -> (the recipe, its --set arguments, a file-name tag)."""
     recipe, *sets = spec.split("@")
-    short = [s.split("=", 1)[0].rsplit(".", 1)[-1] + "_" + s.split("=", 1)[-1] for s in sets]  # last key, value
-    tag = "-".join([recipe, *(re.sub(r"[^A-Za-z0-9._]+", "_", t) for t in short)])
+    pairs = [s.partition("=") for s in sets]  # each tagged by its key's last part and its value
+    tag = "-".join([recipe, *(re.sub(r"[^A-Za-z0-9._]+", "_", f"{k.rsplit('.', 1)[-1]}_{v}") for k, _, v in pairs)])
     return recipe, [a for s in sets for a in ("--set", s)], tag
 
 
