@@ -5,6 +5,7 @@ import copy
 import hashlib
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -147,7 +148,7 @@ def test_self_generation_is_reproducible(tiny_llama, tokenizer):
     b = self_calibration.generate_windows(model, tokenizer, 5, 160, seed=0, bos=1)
     c = self_calibration.generate_windows(model, tokenizer, 5, 160, seed=1, bos=1)
     assert a.shape == (5, 160) and torch.equal(a, b) and not torch.equal(a, c)
-    seeds = self_calibration.seeds()
+    seeds = self_calibration.seed_order(5)
     for i in range(5):
         prompt = self_calibration.seed_ids(seeds[i], tokenizer, 1)
         assert a[i, : len(prompt)].tolist() == prompt and prompt[0] == 1
@@ -156,6 +157,29 @@ def test_self_generation_is_reproducible(tiny_llama, tokenizer):
     assert torch.equal(alone[0], a[0])
     with pytest.raises(CalibrationDataError, match="leaves no room after a seed prompt"):
         self_calibration.generate_windows(model, tokenizer, 2, 8, seed=0, bos=None)
+
+
+def test_self_seeds_follow_the_mix():
+    from quantkit.calibration.mix import allocate, load_collection, weights
+
+    shares = weights(load_collection("mix-v1"))
+    seeds = self_calibration.seeds()
+    assert {s["share"] for s in seeds} == set(shares)  # every part of the mix has a seed, every seed a part
+    for n in (1, 7, 18, 64, 100):
+        order = self_calibration.seed_order(n)
+        counts = Counter(s["share"] for s in order)
+        # within one window of the mix's own split, and any prefix is the same windows (num_samples-independent)
+        assert all(abs(counts[p] - k) <= 1 for p, k in allocate(shares, n).items()), (n, counts)
+        assert order == self_calibration.seed_order(100)[:n]
+    first = self_calibration.seed_order(64)
+    for part in shares:  # a part's seeds taken in turn
+        mine = [s for s in seeds if s["share"] == part]
+        used = [s for s in first if s["share"] == part]
+        assert used == [mine[i % len(mine)] for i in range(len(used))]
+    assert [s["share"] for s in self_calibration.seed_order(3)] == ["prose-en", "chat", "code-python"]
+    bad = [{"share": "prose-xx", "prompt": "x", "chat": False}]
+    with pytest.raises(CalibrationDataError, match="prose-xx"):
+        self_calibration.seed_order(2, bad)
 
 
 def test_rtn_counterpart():
