@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from quantkit.calibration import mix
-from quantkit.calibration.mix import render_dialogue
 from quantkit.errors import CalibrationDataError
 from quantkit.flow.sources import DEFAULT_MIX
 from quantkit.platform.paths import CALIBRATION_DIR, cache_dir, cache_entry_lock
@@ -71,7 +70,7 @@ def seed_ids(seed: dict, tokenizer, bos: Optional[int]) -> list[int]:
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:
-            text = render_dialogue(messages, tokenizer) + "\n\nAssistant:"
+            text = mix.render_dialogue(messages, tokenizer) + "\n\nAssistant:"
     else:
         text = seed["prompt"]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
