@@ -222,7 +222,8 @@ def test_an_unknown_workload_is_an_error(tiny_llama):
         load(tiny_llama, workload="train")
 
 
-def test_the_one_token_probe_is_cached_per_machine_and_dtype(tmp_path):
+def test_the_one_token_probe_is_cached_per_machine_and_dtype(tmp_path, monkeypatch):
+    monkeypatch.setattr(compute, "GEMV_EXTRA", {})  # F.linear and mv only
     cache = tmp_path / "probe.json"
     seconds = {(torch.float32, "linear"): 1.0, (torch.bfloat16, "linear"): 2.0, (torch.bfloat16, "mv"): 4.0,
                (torch.float16, "linear"): 3.0, (torch.float16, "mv"): 3.0}
@@ -244,14 +245,38 @@ def test_the_one_token_probe_is_cached_per_machine_and_dtype(tmp_path):
     assert len(timed) == 2 * n and len(json.loads(cache.read_text())) == 2
 
 
-def test_a_damaged_probe_entry_is_measured_again(tmp_path):
+def test_a_damaged_probe_entry_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(compute, "GEMV_EXTRA", {})
     cache = tmp_path / "probe.json"
     cache.write_text(json.dumps({f"gemv bfloat16|{compute._machine_key()}": {"float32": "fast"}}))
     got = compute.gemv_timings_cached(torch.bfloat16, cache, lambda d, impl, shape: 1e-3)
     assert got == pytest.approx({"float32": 4e-3, "linear": 4e-3, "mv": 4e-3})
 
 
-@pytest.mark.parametrize("impl", ["mv", "linear"])
+def test_the_native_gemv_is_timed_where_it_runs_and_chosen_when_fastest(tmp_path, monkeypatch):
+    from quantkit.kernels import native
+
+    available = {"on": True}
+    monkeypatch.setattr(compute, "GEMV_EXTRA", {"native": (lambda d: available["on"] and d == torch.bfloat16,
+                                                            native.gemv_bf16)})
+    assert compute.NATIVE_GEMV == "native"
+    seconds = {"linear": 2.0, "mv": 3.0, "native": 1.0}
+    got = compute.gemv_timings_cached(torch.bfloat16, tmp_path / "probe.json",
+                                      lambda d, impl, shape: 5.0 if d == torch.float32 else seconds[impl])
+    assert set(got) == {"float32", "linear", "mv", "native"} and min(got, key=got.get) == "native"
+    fp16 = compute.gemv_timings_cached(torch.float16, tmp_path / "probe.json", lambda d, impl, shape: 1.0)
+    assert set(fp16) == {"float32", "linear", "mv"}  # the native GEMV is bf16 only
+    # a cache entry made before the native GEMV existed (no figure for it) is measured again
+    available["on"] = False
+    cache = tmp_path / "old.json"
+    compute.gemv_timings_cached(torch.bfloat16, cache, lambda d, impl, shape: 1.0)
+    available["on"] = True
+    timed = []
+    again = compute.gemv_timings_cached(torch.bfloat16, cache, lambda d, impl, shape: timed.append(impl) or 1.0)
+    assert "native" in again and "native" in timed
+
+
+@pytest.mark.parametrize("impl", ["mv", "linear", "native"])
 def test_the_lean_step_runs_16_bit_gemvs_by_the_probed_implementation(monkeypatch, impl):
     from quantkit.runtime import lean_decode
 
@@ -261,8 +286,10 @@ def test_the_lean_step_runs_16_bit_gemvs_by_the_probed_implementation(monkeypatc
     monkeypatch.setattr(torch, "mv", lambda *a: calls.append(1) or real_mv(*a))
     g = torch.Generator().manual_seed(0)
     w, x, b = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((48, 32), (1, 1, 32), (48,)))
+    native_calls = []
+    monkeypatch.setattr(lean_decode.native, "gemv_bf16", lambda w, v: native_calls.append(1) or torch.mv(w, v))
     y = lean_decode._linear(x, w, b)
-    assert y.shape == (1, 1, 48) and bool(calls) is (impl == "mv")
+    assert y.shape == (1, 1, 48) and bool(calls) is (impl != "linear") and bool(native_calls) is (impl == "native")
     reference = torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert (y.float() - reference).abs().max() <= 0.02 * reference.abs().max()
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import quantkit
+from quantkit.kernels import cpu_int4, native
 from quantkit.platform import compute
 from quantkit.qmodules.int_linear import PackedIntLinear
 from quantkit.runtime import decode_plan
@@ -24,6 +25,17 @@ from helpers import sample_ids
 F32, BF16 = torch.float32, torch.bfloat16
 HEAD = LayerKind("dense", 512, 64)
 INT4 = LayerKind("int4", 128, 64, "int4 sym g32 bfloat16 scales")
+
+
+@pytest.fixture(autouse=True)
+def _native_int4(monkeypatch):
+    """The decision tests below see the routes of a CPU without quantkit's native int4 GEMV unless a test
+    turns it on (`native_on`): the figures they fake do not depend on this machine."""
+    monkeypatch.setattr(cpu_int4, "native_reason", lambda: "off in this test")
+
+
+def native_on(monkeypatch):
+    monkeypatch.setattr(cpu_int4, "native_reason", lambda: None)
 
 
 def _kinds(*kinds: LayerKind) -> dict[LayerKind, KindInfo]:
@@ -132,6 +144,23 @@ def test_the_table_marks_what_runs():
     assert ("int4 128x64 int4 sym g32 bfloat16 scales", "10", "int4-op bfloat16", "16", "1000000", "yes") in rows
     assert ("int4 128x64 int4 sym g32 bfloat16 scales", "10", "dequant bfloat16", "64", "2000000", "yes") in rows
     assert ("dense 512x64", "1", "gemv float32", "1", "10000000", "") in rows
+
+
+def test_the_native_one_token_gemv_is_a_route_where_it_runs_and_wins_only_when_faster(monkeypatch):
+    native_on(monkeypatch)
+    assert [r.kernel for r in decode_plan.routes(INT4, Candidate(BF16, BF16))] == ["int4-op", "dequant", "native"]
+    assert [r.kernel for r in decode_plan.routes(INT4, Candidate(F32, F32))] == ["int4-op", "dequant"]  # bf16 only
+    table = {**_table(dense_f32=30.0, chunks={64: (3, 2)}), ("int4", "native bfloat16", 1): 0.5,
+             ("int4", "native bfloat16 from float32", 1): 0.5}
+    plan, _ = _choose(table)
+    assert plan.choice == Candidate(BF16, BF16) and plan.routes[INT4] == Route("native", BF16, BF16)
+    assert plan.op_tokens[INT4] == 32  # prompts: still the op up to the chunk it wins (the native GEMV is one token)
+    rows = {tuple(c.strip() for c in row.strip("|").split("|")) for row in plan.table()[2:]}
+    assert ("int4 128x64 int4 sym g32 bfloat16 scales", "10", "native bfloat16", "1", "500000", "yes") in rows
+    assert ("int4 128x64 int4 sym g32 bfloat16 scales", "10", "int4-op bfloat16", "1", "1000000", "") in rows
+    assert ("int4 128x64 int4 sym g32 bfloat16 scales", "10", "int4-op bfloat16", "16", "1000000", "yes") in rows
+    slower = {**table, ("int4", "native bfloat16", 1): 2.0, ("int4", "native bfloat16 from float32", 1): 2.0}
+    assert _choose(slower)[0].routes[INT4] == Route("int4-op", BF16, BF16)
 
 
 # -- the cache ------------------------------------------------------------------------------------
@@ -275,6 +304,10 @@ def test_doctor_prints_the_table(w4_checkpoint, monkeypatch):
     assert "capability" in result.output and "decode plan measured here" in result.output
     assert "| layer kind | count | route | tokens | us per call | used |" in result.output
     assert "int4 prompts:" in result.output
+    # what the native kernels can do here (this module's tests see no native int4 GEMV: `_native_int4`)
+    line = next(row for row in result.output.splitlines() if row.startswith("native CPU kernels:"))
+    assert ("not in use" in line) if native.module() is None else \
+        line.startswith("native CPU kernels: bf16 GEMV; no int4 GEMV (off in this test)")
 
 
 # -- in memory and reloaded: the same kernels, the same logits ------------------------------------

@@ -29,6 +29,7 @@ def command(model, dtype, cached, bandwidth):
     from quantkit.checkpoints.loader import decode_plan_for
 
     click.echo(compute.machine_summary())
+    click.echo(_native_line())
     if bandwidth:
         click.echo(f"read bandwidth {read_bandwidth('cpu') / 1e9:.1f} GB/s (a sum over a 1 GiB float32 buffer, best of 6)")
     choice, plan = decode_plan_for(model, None if dtype == "auto" else dtype, remeasure=not cached)
@@ -39,3 +40,14 @@ def command(model, dtype, cached, bandwidth):
                        for k, n in sorted(plan.op_tokens.items(), key=lambda kv: kv[0].key()))
     if limits:
         click.echo(f"int4 prompts: {limits}")
+
+
+def _native_line() -> str:
+    """Whether quantkit's own one-token CPU kernels are built and which of them may run here."""
+    from quantkit.kernels import cpu_int4, native
+
+    if native.module() is None:
+        return f"native CPU kernels: not in use ({native.reason()})"
+    int4 = cpu_int4.native_reason()
+    return "native CPU kernels: bf16 GEMV" + ("; int4 GEMV" if int4 is None else f"; no int4 GEMV ({int4})") + \
+        " (each used where the probe or the plan below measured it faster)"

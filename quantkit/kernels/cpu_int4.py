@@ -10,10 +10,13 @@ The repack happens once, when the model is loaded.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from quantkit.kernels import native
 
 GROUP_SIZES = (256, 128, 64, 32)
 # The op is a GEMV at heart: its time grows ~0.27 ms per token for a 4096 x 4096 weight here, so
@@ -60,6 +63,14 @@ class Int4PackedCPU:
     scale_zeros: torch.Tensor  # [K / group, N_padded, 2]
     group_size: int
     out_features: int
+    # one bf16 token through quantkit's own GEMV over this layout (`kernels.native`) instead of the op: set where
+    # the decode plan measured it faster for the layer's kind (`runtime.decode_plan`), and `native_ok` holds
+    native_one_token: bool = False
+
+    @property
+    def native_fits(self) -> bool:
+        """Whether the native one-token GEMV takes this weight: bf16 scales, rows in whole blocks of 64."""
+        return self.scale_zeros.dtype == torch.bfloat16 and self.packed.shape[0] % ROW_BLOCK == 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -75,8 +86,12 @@ class Int4PackedCPU:
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2 if x2.is_contiguous() else x2.contiguous(), self.packed,
-                                                       self.group_size, self.scale_zeros)
+        x2 = x2 if x2.is_contiguous() else x2.contiguous()
+        if self.native_one_token and x2.shape[0] == 1 and self.dtype == torch.bfloat16:
+            y = native.module().int4_gemv(self.packed, self.scale_zeros, x2[0], self.group_size,
+                                          self.out_features).view(1, -1)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_zeros)
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
         if (cast_back or bias is not None) and y.dtype != x.dtype:
@@ -84,6 +99,34 @@ class Int4PackedCPU:
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def native_reason() -> Optional[str]:
+    """Why quantkit's own one-token GEMV cannot run this op's layout here (None when it can): it reads the
+    layout the op writes on an AVX-512 CPU (rows in blocks of 64), checked once against the op itself."""
+    if not available():
+        return "this torch build has no CPU int4 op"
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return f"torch packs int4 for {torch.backends.cpu.get_cpu_capability()}, not AVX512: another layout"
+    if not native.int4_available():
+        return native.reason() or "the native kernels were built without AVX-512"
+    return _layout_check()
+
+
+@functools.lru_cache(maxsize=None)
+def _layout_check() -> Optional[str]:
+    """None when the native GEMV and the op agree on a random 128 x 256 weight (groups of 64, zero points)."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-8, 8, (128, 256), generator=g, dtype=torch.int8)
+    scale = torch.rand(128, 4, generator=g) * 0.05 + 0.01
+    zero = torch.randint(-8, 8, (128, 4), generator=g)
+    w = repack(codes, scale, zero, 64, torch.bfloat16)
+    x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
+    op = w.matmul(x).float()
+    mine = native.module().int4_gemv(w.packed, w.scale_zeros, x[0], 64, 128).float()
+    err = (op[0] - mine).abs().max().item()
+    bound = 0.02 * op.abs().max().item()  # two bf16 roundings of the same sums apart, not another layout
+    return None if err <= bound else f"the native GEMV disagrees with the op here ({err:.3g} > {bound:.3g})"
 
 
 def repack(codes: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: int,

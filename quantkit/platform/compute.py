@@ -52,7 +52,18 @@ ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "fl
 PROBE_FILE = "compute-probe.json"
 PROBE_MIN_SPEEDUP = 1.5  # bf16 counts as fast when its matmul beats float32 by this factor
 WORKLOADS = ("batch", "decode")  # batch: GEMMs (calibration, eval); decode: one token at a time (the loader)
-GEMV_IMPLS = ("linear", "mv")  # one-token 16-bit linear on the CPU: F.linear, or torch.mv (row-major weight)
+# one-token 16-bit linear on the CPU: F.linear or torch.mv (row-major weight), and those registered by the
+# kernels that define them (`register_gemv`: quantkit's own bf16 GEMV, `kernels.native`)
+GEMV_IMPLS = ("linear", "mv")
+NATIVE_GEMV = "native"
+GEMV_EXTRA: dict[str, tuple[Callable[[torch.dtype], bool], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = {}
+
+
+def register_gemv(name: str, available: Callable[[torch.dtype], bool],
+                  run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Add a one-token implementation the GEMV probe times beside GEMV_IMPLS: available(dtype) says where it
+    runs, run(weight [N, K], x [K]) -> [N] in x's dtype (kernels register themselves: platform imports none)."""
+    GEMV_EXTRA[name] = (available, run)
 # dtypes that hold every value of a storage dtype exactly (float16 -> bfloat16 would drop 3 mantissa bits);
 # bf16 -> fp16 keeps every bf16 weight of a normal model (8 of fp16's 11 mantissa bits, |w| < 65504)
 EXACT_FOR = {
@@ -322,7 +333,7 @@ GEMV_SHAPES = ((1536, 576), (576, 1536), (2048, 2048), (4096, 4096))  # [out, in
 
 def _gemv_seconds(dtype: torch.dtype, impl: str, shape: tuple[int, int], reps: int = 20) -> float:
     """Best time of one one-token linear of `shape` in `dtype` by `impl`: float32 as the lean decode step
-    keeps it (column-major), 16 bits through F.linear or torch.mv on a row-major weight."""
+    keeps it (column-major), 16 bits through F.linear, torch.mv or a registered GEMV on a row-major weight."""
     import torch.nn.functional as F
 
     out, inp = shape
@@ -331,7 +342,11 @@ def _gemv_seconds(dtype: torch.dtype, impl: str, shape: tuple[int, int], reps: i
     x = torch.randn(1, inp, generator=g).to(dtype)
     if dtype == torch.float32:
         w = w.t().contiguous().t()
-    fn = (lambda: torch.mv(w, x[0])) if impl == "mv" else (lambda: F.linear(x, w))
+    if impl in GEMV_EXTRA:
+        run = GEMV_EXTRA[impl][1]
+        fn = lambda: run(w, x[0])  # noqa: E731
+    else:
+        fn = (lambda: torch.mv(w, x[0])) if impl == "mv" else (lambda: F.linear(x, w))
     fn()
     best = float("inf")
     for _ in range(3):
@@ -342,12 +357,18 @@ def _gemv_seconds(dtype: torch.dtype, impl: str, shape: tuple[int, int], reps: i
     return best
 
 
+def gemv_impls(dtype: torch.dtype) -> tuple[str, ...]:
+    """The one-token implementations the probe times for `dtype`: GEMV_IMPLS and the registered ones that run it."""
+    return GEMV_IMPLS + tuple(name for name, (available, _) in GEMV_EXTRA.items() if available(dtype))
+
+
 def gemv_timings(dtype: torch.dtype, shapes=GEMV_SHAPES,
-                 timer: Callable[[torch.dtype, str, tuple[int, int]], float] = _gemv_seconds) -> dict[str, float]:
-    """Seconds summed over `shapes` for a one-token linear: "float32", and `dtype` by each of GEMV_IMPLS
-    (well under a second in all)."""
+                 timer: Callable[[torch.dtype, str, tuple[int, int]], float] = _gemv_seconds,
+                 impls: Optional[tuple[str, ...]] = None) -> dict[str, float]:
+    """Seconds summed over `shapes` for a one-token linear: "float32", and `dtype` by each of `impls`
+    (default `gemv_impls`; well under a second in all)."""
     result = {"float32": sum(timer(torch.float32, "linear", s) for s in shapes)}
-    for impl in GEMV_IMPLS:
+    for impl in impls or gemv_impls(dtype):
         result[impl] = sum(timer(dtype, impl, s) for s in shapes)
     log.info("one-token linear probe (%s): %s", _name(dtype),
              ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in result.items()))
@@ -357,25 +378,28 @@ def gemv_timings(dtype: torch.dtype, shapes=GEMV_SHAPES,
 def gemv_timings_cached(dtype: torch.dtype, cache_file: Optional[Path] = None,
                         timer: Callable[[torch.dtype, str, tuple[int, int]], float] = _gemv_seconds) -> dict[str, float]:
     """`gemv_timings` at GEMV_SHAPES, measured once per machine (CPU model, torch version) and dtype
-    and kept in the probe cache, so the decode dtype and kernel choices stay the same from run to run."""
+    and kept in the probe cache, so the decode dtype and kernel choices stay the same from run to run (an
+    entry without a figure for every implementation available now is measured again)."""
     key = f"gemv {_name(dtype)}|{_machine_key()}"
+    impls = gemv_impls(dtype)
     known = _read_probe_cache(cache_file)
     value = known.get(key)
     if isinstance(value, dict) and all(isinstance(value.get(k), (int, float)) and value[k] > 0
-                                       for k in ("float32", *GEMV_IMPLS)):
-        return {k: float(value[k]) for k in ("float32", *GEMV_IMPLS)}
-    timings = gemv_timings(dtype, timer=timer)
+                                       for k in ("float32", *impls)):
+        return {k: float(value[k]) for k in ("float32", *impls)}
+    timings = gemv_timings(dtype, timer=timer, impls=impls)
     _write_probe_cache(cache_file, key, timings)
     return timings
 
 
 @functools.lru_cache(maxsize=None)
 def gemv_impl(dtype: torch.dtype) -> str:
-    """How the lean decode step runs a one-token `dtype` linear on this CPU: "mv" or "linear", whichever
-    the cached probe found faster (an AVX512+AMX Xeon: torch.mv 1.7-2.3x faster than F.linear in bf16;
-    an AVX-512 Xeon without AMX: F.linear 2.8x faster than torch.mv)."""
+    """How the lean decode step runs a one-token `dtype` linear on this CPU: "mv", "linear" or "native",
+    whichever the cached probe found fastest (an AVX512+AMX Xeon: torch.mv 1.7-2.3x faster than F.linear in
+    bf16; an AVX-512 Xeon without AMX: F.linear 2.8x faster than torch.mv; an AVX-512 EPYC with avx512_bf16:
+    the native GEMV 3-4x faster than F.linear on SmolLM2's layers, 2x on its head)."""
     t = gemv_timings_cached(dtype)
-    return min(GEMV_IMPLS, key=lambda impl: t[impl])
+    return min(t.keys() - {"float32"}, key=lambda impl: t[impl])
 
 
 def read_probe_cache(cache_file: Optional[Path] = None) -> dict:

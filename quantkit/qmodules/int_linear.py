@@ -63,6 +63,8 @@ class PackedIntLinear(nn.Module):
         # a narrower op dtype only when the plan chose it and said so
         self.op_dtype: Optional[torch.dtype] = None
         self.op_tokens: int = cpu_int4.MAX_TOKENS
+        # one bf16 token on the op's layout: "op", or "native" (quantkit's own GEMV, where the plan measured it faster)
+        self.one_token: str = "op"
         # the kernel asked for (None: automatic): QUANTKIT_KERNEL as it was when the module was made; the loader
         # sets it once per model, `kernels.select.use_kernel` changes it
         self.kernel_request: Optional[str] = forced_kernel()
@@ -133,7 +135,8 @@ class PackedIntLinear(nn.Module):
         device, dtype, weight version and kernel request). Returns the kernel's name."""
         device = torch.device(device) if device is not None else self.weight_packed.device
         dtype = dtype or self.weight_scale.dtype
-        key = (self.kernel_request, device, dtype, self.op_dtype, self.op_tokens, self.weight_packed._version,
+        key = (self.kernel_request, device, dtype, self.op_dtype, self.op_tokens, self.one_token,
+               self.weight_packed._version,
                self.weight_scale._version, None if self.weight_zero_point is None else self.weight_zero_point._version,
                None if self.weight_g_idx is None else self.weight_g_idx._version)
         if self._prepared is not None and self._prepared[0] == key:
@@ -161,8 +164,11 @@ class PackedIntLinear(nn.Module):
         """The weight repacked for kernel `name` (None for torch's reference: it dequantizes per forward)."""
         codes = self.codes() if self._order is None else self.codes()[:, self._order]
         if name == "cpu":
-            return cpu_int4.repack(codes, self.weight_scale, self.zero_points(), self.kernel_group_size,
-                                   self.op_dtype or dtype)
+            packed = cpu_int4.repack(codes, self.weight_scale, self.zero_points(), self.kernel_group_size,
+                                     self.op_dtype or dtype)
+            packed.native_one_token = (self.one_token == "native" and packed.native_fits
+                                       and cpu_int4.native_reason() is None)
+            return packed
         if name == "cuda":
             return cuda_int4.repack(codes, self.weight_scale, self.zero_points(), self.kernel_group_size)
         if name == "triton":

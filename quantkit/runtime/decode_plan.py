@@ -4,8 +4,8 @@ CPU, chosen by timing the model's own layer kinds in every candidate on this mac
 A layer kind is a linear's family (dense; packed int4 on the CPU int4 op; other packed int, FP8 or
 GGML blocks, run as their modules), shape and scheme. For each candidate compute dtype that holds
 the checkpoint's weights exactly (float32; the checkpoint's own 16-bit dtype) each kind's routes
-are timed at one token (`Route`: the int4 op in that dtype, or dequantize + matmul; dense layers as
-the lean decode step runs them), the median of REPEATS samples, and the plan with the shortest
+are timed at one token (`Route`: the int4 op in that dtype, quantkit's own one-token GEMV over the op's
+layout where it runs (bf16), or dequantize + matmul; dense layers as the lean decode step runs them), the median of REPEATS samples, and the plan with the shortest
 one-token step wins. One more candidate narrows: float32 with W4A16 layers' activations rounded to
 bf16 for the int4 op (what the scheme's A16 names); it is taken only when it beats the best exact
 plan by NARROW_MIN_GAIN, and the choice says so. For the chosen plan, each int4 kind's op is also
@@ -66,7 +66,8 @@ class LayerKind:
 
 @dataclass(frozen=True)
 class Route:
-    """One way to run a layer kind: kernel "gemv" (dense), "int4-op", "dequant" or "module", computing in
+    """One way to run a layer kind: kernel "gemv" (dense), "int4-op", "native" (one token on the op's layout,
+    `kernels.native`), "dequant" or "module", computing in
     `dtype`, its input arriving in `inputs` (the compute dtype; float32 for int4 activations narrowed to bf16)."""
 
     kernel: str
@@ -138,7 +139,9 @@ def _used(plan: DecodePlan, kind: LayerKind, route: Route, tokens: int) -> bool:
     if kind.family != "int4":
         return route == plan.routes.get(kind) and tokens == 1
     limit = plan.op_tokens.get(kind, 0)
-    op, dequant = routes(kind, plan.choice)
+    op, dequant = routes(kind, plan.choice)[:2]
+    if route.kernel == "native" or (route == op and tokens == 1):  # one token: the op or the native GEMV
+        return tokens == 1 and limit > 0 and route == plan.routes[kind]
     return (route == op and tokens <= limit) or (route == dequant and tokens > limit)
 
 
@@ -201,7 +204,10 @@ def routes(kind: LayerKind, candidate: Candidate) -> list[Route]:
     if kind.family == "dense":
         return [Route("gemv", candidate.dtype)]
     if kind.family == "int4":
-        return [Route("int4-op", candidate.int4_dtype, candidate.dtype), Route("dequant", candidate.dtype)]
+        ways = [Route("int4-op", candidate.int4_dtype, candidate.dtype), Route("dequant", candidate.dtype)]
+        if candidate.int4_dtype == torch.bfloat16 and cpu_int4.native_reason() is None:
+            ways.append(Route("native", torch.bfloat16, candidate.dtype))  # one token, on the op's own layout
+        return ways
     return [Route("module", candidate.dtype)]
 
 
@@ -261,10 +267,11 @@ def _runner(module: nn.Module, route: Route) -> _Runner:
             w = w.t().contiguous().t()
         return _Runner(lambda x: lean_decode._linear(x, w, None) if x.shape[1] == 1 else F.linear(x, w),
                        w.numel() * w.element_size())
-    if route.kernel in ("int4-op", "dequant"):
-        module.kernel_request = "cpu" if route.kernel == "int4-op" else "torch"
+    if route.kernel in ("int4-op", "dequant", "native"):
+        module.kernel_request = "torch" if route.kernel == "dequant" else "cpu"
         module.op_dtype = route.dtype
         module.op_tokens = 1 << 30
+        module.one_token = "native" if route.kernel == "native" else "op"
     if isinstance(module, DenseCopy):
         module.keep_dense = True  # as `plan_dense_cache` lets a model that fits keep them
     return _Runner(module, sum(t.numel() * t.element_size() for t in module.state_dict().values()))
@@ -324,9 +331,9 @@ def choose(kinds: dict[LayerKind, KindInfo], dtypes: Iterable[torch.dtype], narr
 def _op_tokens(kind: LayerKind, choice: Candidate, one_token: Route, figures: Figures) -> int:
     """Up to how many tokens an int4 kind runs the op: 0 when dequantizing wins at one token, else the largest
     prefill chunk at which the op still beats dequantizing (timing stops at the first chunk it loses)."""
-    if one_token.kernel != "int4-op":
+    if one_token.kernel not in ("int4-op", "native"):
         return 0
-    op, dequant = routes(kind, choice)
+    op, dequant = routes(kind, choice)[:2]
     limit = 1
     for tokens in CHUNK_TOKENS:
         if figures(kind, op, tokens) > figures(kind, dequant, tokens):
@@ -344,6 +351,7 @@ def apply(model: nn.Module, plan: DecodePlan) -> int:
             if kind in plan.op_tokens:
                 module.op_dtype = plan.choice.int4_dtype
                 module.op_tokens = plan.op_tokens[kind]
+                module.one_token = "native" if plan.routes[kind].kernel == "native" else "op"
                 count += 1
     return count
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.platform import compute
-from quantkit.kernels import cpu_int4
+from quantkit.kernels import cpu_int4, native
 from quantkit.quant.fp8 import fake_quantize
 from quantkit.qmodules.kv import head_view
 from quantkit.qmodules.int_linear import PackedIntLinear
@@ -139,12 +139,12 @@ def _fuse_int4_cpu(linears: list[PackedIntLinear], dtype: torch.dtype):
         return None
     packed = torch.cat([p.packed for p in packs])
     fused = cpu_int4.Int4PackedCPU(packed, torch.cat([p.scale_zeros for p in packs], dim=1),
-                                   packs[0].group_size, packed.shape[0])
+                                   packs[0].group_size, packed.shape[0], all(p.native_one_token for p in packs))
     start = 0
     for m, p in zip(linears, packs):
         n = m.out_features
         m._prepared = (m._prepared[0], "cpu", cpu_int4.Int4PackedCPU(packed[start : start + n], p.scale_zeros,
-                                                                    p.group_size, n))
+                                                                    p.group_size, n, p.native_one_token))
         start += n
     return fused, _cat_bias(linears), [m.out_features for m in linears]
 
@@ -154,13 +154,20 @@ def _cat_bias(linears: list[nn.Module]) -> Optional[torch.Tensor]:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """F.linear, or for one 16-bit token on CPU whichever of torch.mv and F.linear this CPU runs faster
-    (`compute.gemv_impl`, probed once per machine: an AVX512+AMX Xeon ran bf16 GEMVs 1.7-2.3x faster
-    through mv, 69 vs 120 us at 1728 x 576; an AVX-512 Xeon without AMX 2.8x slower, 253 vs 90 us at
-    1536 x 576)."""
-    if x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" \
-            and compute.gemv_impl(x.dtype) == "mv":
-        y = torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
+    """F.linear, or for one 16-bit token on CPU whichever of torch.mv, F.linear and quantkit's own bf16
+    GEMV this CPU runs fastest (`compute.gemv_impl`, probed once per machine: an AVX512+AMX Xeon ran bf16
+    GEMVs 1.7-2.3x faster through mv, 69 vs 120 us at 1728 x 576; an AVX-512 Xeon without AMX 2.8x slower,
+    253 vs 90 us at 1536 x 576; an AVX-512 EPYC with avx512_bf16 ran the native GEMV in 25 us against
+    F.linear's 93 at 1536 x 576)."""
+    if x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
+        impl = compute.gemv_impl(x.dtype)
+        if impl == "mv":
+            y = torch.mv(weight, x.reshape(-1))
+        elif impl == compute.NATIVE_GEMV and weight.is_contiguous():
+            y = native.gemv_bf16(weight, x.reshape(-1))
+        else:
+            return F.linear(x, weight, bias)
+        y = y.view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 

@@ -1,0 +1,119 @@
+"""quantkit's own one-token CPU kernels (kernels/native_cpu.cpp) against float references and torch's int4 op."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from quantkit.kernels import cpu_int4, native
+from quantkit.quant.schemes import QuantScheme
+from quantkit.qmodules.int_linear import PackedIntLinear
+
+needs_native = pytest.mark.skipif(native.module() is None, reason=f"native kernels not built: {native.reason()}")
+needs_int4 = pytest.mark.skipif(native.module() is None or cpu_int4.native_reason() is not None,
+                                reason=f"no native int4 GEMV here: {cpu_int4.native_reason()}")
+
+
+def _bf16_bound(reference: torch.Tensor) -> torch.Tensor:
+    """One bf16 rounding of the exact sum (half an ulp: 2^-9 relative) plus float32 summation-order slack."""
+    return reference.abs() * 2.0 ** -8 + 1e-4 * reference.abs().max()
+
+
+def test_the_build_key_changes_with_source_cpu_torch_and_flags():
+    base = native.build_key(b"src", "avx2 fma", "2.13.0")
+    assert len({base, native.build_key(b"src2", "avx2 fma", "2.13.0"), native.build_key(b"src", "avx512f", "2.13.0"),
+                native.build_key(b"src", "avx2 fma", "2.14.0"),
+                native.build_key(b"src", "avx2 fma", "2.13.0", ("-O3", "-march=haswell"))}) == 5
+    assert native.build_key(b"src", "avx2 fma", "2.13.0") == base
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(native.ENV, "0")
+    assert native._load.__wrapped__() == (None, "QUANTKIT_NATIVE=0")
+
+
+def _check_gemv(gemv):
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((1, 7), (48, 65), (300, 576), (1024, 100), (64, 4096)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(k, generator=g).to(torch.bfloat16)
+        y = gemv(w, x)
+        reference = w.double() @ x.double()
+        assert y.dtype == torch.bfloat16 and y.shape == (n,)
+        assert ((y.double() - reference).abs() <= _bf16_bound(reference)).all(), (n, k)
+
+
+@needs_native
+def test_the_bf16_gemv_is_the_float_product_rounded_once():
+    _check_gemv(native.gemv_bf16)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        native.gemv_bf16(torch.zeros(4, 8), torch.zeros(8))
+
+
+@needs_native
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="builds an AVX2 variant (x86)")
+def test_the_avx2_build_computes_the_same(tmp_path):
+    """The AVX2 branch (an AVX2-only EPYC's build), compiled here for haswell: same bounds, no int4 kernel."""
+    mod = native.build(("-O3", "-march=haswell"), tmp_path)
+    _check_gemv(mod.gemv_bf16)
+    assert mod.int4_available() is False
+
+
+def _dequantized(w: cpu_int4.Int4PackedCPU, codes: torch.Tensor) -> torch.Tensor:
+    """The weight the op's tables describe: (u - 8) * scale + zero, with the bf16 scales and zeros it reads."""
+    sz = w.scale_zeros.double()
+    n = codes.shape[0]
+    scale = sz[..., 0].t()[:n].repeat_interleave(w.group_size, 1)
+    zero = sz[..., 1].t()[:n].repeat_interleave(w.group_size, 1)
+    return codes.double() * scale + zero
+
+
+@needs_int4
+@pytest.mark.parametrize("n, k, group, symmetric", [(64, 128, 32, True), (192, 576, 64, False), (128, 256, 128, True),
+                                                     (640, 1536, 64, True)])
+def test_the_int4_gemv_reads_the_ops_layout(n, k, group, symmetric):
+    g = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 0.05 + 0.005
+    zero = None if symmetric else torch.randint(-8, 8, (n, k // group), generator=g)
+    w = cpu_int4.repack(codes, scale, zero, group, torch.bfloat16)
+    x = torch.randn(k, generator=g).to(torch.bfloat16)
+    reference = _dequantized(w, codes) @ x.double()
+    mine = native.module().int4_gemv(w.packed, w.scale_zeros, x, w.group_size, n)
+    assert mine.dtype == torch.bfloat16 and mine.shape == (n,)
+    assert ((mine.double() - reference).abs() <= _bf16_bound(reference)).all()
+    op = w.matmul(x[None])[0].double()  # torch's op rounds each dequantized weight to bf16: a looser bound
+    assert (mine.double() - op).abs().max() <= 0.02 * reference.abs().max()
+
+
+@needs_int4
+@pytest.mark.parametrize("rows, runs_native", [(128, True), (80, False)])
+def test_a_module_planned_native_runs_one_token_there_and_longer_inputs_on_the_op(monkeypatch, rows, runs_native):
+    scheme = QuantScheme(num_bits=4, group_size=64)
+    module = PackedIntLinear(128, rows, False, scheme, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    module.weight_packed.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, module.weight_packed.shape, generator=g,
+                                             dtype=torch.int64).to(torch.int32))
+    module.weight_scale.copy_(torch.rand(module.weight_scale.shape, generator=g) * 0.05)
+    module.kernel_request, module.one_token = "cpu", "native"
+    calls, real = [], native.module()
+
+    class Spy:  # the real kernels, int4_gemv's calls counted
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def int4_gemv(self, *args):
+            calls.append(1)
+            return real.int4_gemv(*args)
+
+    monkeypatch.setattr(cpu_int4.native, "module", Spy)
+    x = torch.randn(1, 1, 128, generator=g).to(torch.bfloat16)
+    y = module(x)
+    assert bool(calls) is runs_native  # 80 rows: not whole blocks of 64, the op runs
+    reference = torch.nn.functional.linear(x.double(), module.dequantize(torch.float64))
+    assert ((y.double() - reference).abs() <= 0.02 * reference.abs().max()).all()
+    calls.clear()
+    module(torch.randn(1, 3, 128, generator=g).to(torch.bfloat16))
+    assert not calls  # three tokens: the op
