@@ -52,13 +52,27 @@ def test_the_bf16_gemv_is_the_float_product_rounded_once():
         native.gemv_bf16(torch.zeros(4, 8), torch.zeros(8))
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
 @needs_native
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="builds an AVX2 variant (x86)")
-def test_the_avx2_build_computes_the_same(tmp_path):
-    """The AVX2 branch (an AVX2-only EPYC's build), compiled here for haswell: same bounds, no int4 kernel."""
-    mod = native.build(("-O3", "-march=haswell"), tmp_path)
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="builds x86 variants")
+@pytest.mark.parametrize("arch, int4", [("haswell", False), ("skylake-avx512", True)])
+def test_the_other_builds_compute_the_same(tmp_path, arch, int4):
+    """The branches other CPUs compile, built here: AVX2 (an AVX2-only EPYC: the GEMV by FMAs, no int4 GEMV)
+    and AVX-512 without avx512_bf16 / VBMI (both GEMVs by float32 FMAs after widening)."""
+    if int4 and not _cpu_has("avx512bw"):
+        pytest.skip("this CPU cannot run an AVX-512 build")
+    mod = native.build(("-O3", f"-march={arch}"), tmp_path)
     _check_gemv(mod.gemv_bf16)
-    assert mod.int4_available() is False
+    assert mod.int4_available() is int4
+    if int4 and cpu_int4.native_reason() is None:
+        _check_int4(mod.int4_gemv, 192, 576, 64, False)
 
 
 def _dequantized(w: cpu_int4.Int4PackedCPU, codes: torch.Tensor) -> torch.Tensor:
@@ -74,6 +88,10 @@ def _dequantized(w: cpu_int4.Int4PackedCPU, codes: torch.Tensor) -> torch.Tensor
 @pytest.mark.parametrize("n, k, group, symmetric", [(64, 128, 32, True), (192, 576, 64, False), (128, 256, 128, True),
                                                      (640, 1536, 64, True)])
 def test_the_int4_gemv_reads_the_ops_layout(n, k, group, symmetric):
+    _check_int4(native.module().int4_gemv, n, k, group, symmetric)
+
+
+def _check_int4(int4_gemv, n, k, group, symmetric):
     g = torch.Generator().manual_seed(n + k)
     codes = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, k // group, generator=g) * 0.05 + 0.005
@@ -81,7 +99,7 @@ def test_the_int4_gemv_reads_the_ops_layout(n, k, group, symmetric):
     w = cpu_int4.repack(codes, scale, zero, group, torch.bfloat16)
     x = torch.randn(k, generator=g).to(torch.bfloat16)
     reference = _dequantized(w, codes) @ x.double()
-    mine = native.module().int4_gemv(w.packed, w.scale_zeros, x, w.group_size, n)
+    mine = int4_gemv(w.packed, w.scale_zeros, x, w.group_size, n)
     assert mine.dtype == torch.bfloat16 and mine.shape == (n,)
     assert ((mine.double() - reference).abs() <= _bf16_bound(reference)).all()
     op = w.matmul(x[None])[0].double()  # torch's op rounds each dequantized weight to bf16: a looser bound
@@ -117,3 +135,70 @@ def test_a_module_planned_native_runs_one_token_there_and_longer_inputs_on_the_o
     calls.clear()
     module(torch.randn(1, 3, 128, generator=g).to(torch.bfloat16))
     assert not calls  # three tokens: the op
+
+
+def _attention_case(dtype, batch=2, heads=6, kv_heads=2, dim=32, slots=50, length=37):
+    g = torch.Generator().manual_seed(batch * 100 + length)
+    q = torch.randn(batch, heads, 1, dim, generator=g).to(dtype)
+    keys, values = (torch.randn(batch, kv_heads, slots, dim, generator=g).to(dtype) for _ in range(2))
+    mask = torch.zeros(batch, 1, 1, length, dtype=dtype)
+    mask[-1, ..., :4] = float("-inf")  # the last row padded on the left
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), keys[:, :, :length].double(), values[:, :, :length].double(), attn_mask=mask.double(),
+        scale=dim ** -0.5, enable_gqa=True)
+    return q, keys, values, mask, reference
+
+
+@needs_native
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2.0 ** -7), (torch.float32, 1e-6)])
+def test_one_query_attention_over_a_static_cache(dtype, tolerance):
+    """Grouped heads, a padded row, fewer positions than slots; within one rounding of the output (bf16) of float64."""
+    q, keys, values, mask, reference = _attention_case(dtype)
+    b, h, _, d = q.shape
+    out = native.module().attend_one(q.reshape(b, h, d).contiguous(), keys, values, mask[:, 0, 0].float().contiguous(),
+                                     mask.shape[-1], d ** -0.5)
+    assert out.dtype == dtype and out.shape == (b, h, d)
+    assert (out.double().view_as(reference) - reference).abs().max() <= tolerance * reference.abs().max()
+    with pytest.raises(RuntimeError, match="shapes of q and the cache"):
+        native.module().attend_one(q.reshape(b, h, d).contiguous(), keys, values, None, keys.shape[2] + 1, 1.0)
+
+
+@needs_native
+@pytest.mark.parametrize("choice", ["sdpa", "native"])
+def test_the_decode_step_attends_by_the_measured_choice(monkeypatch, choice):
+    from quantkit.runtime import one_query
+
+    monkeypatch.setattr(one_query, "impl", lambda dtype: choice)
+    calls = []
+    real = native.module()
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def attend_one(self, *args):
+            calls.append(1)
+            return real.attend_one(*args)
+
+    monkeypatch.setattr(one_query.native, "module", Spy)
+    q, keys, values, mask, reference = _attention_case(torch.bfloat16)
+    out = one_query.attend(q, keys, values, mask.shape[-1], mask, q.shape[-1] ** -0.5)
+    assert bool(calls) is (choice == "native") and out.shape == q.shape
+    assert (out.double() - reference).abs().max() <= 2.0 ** -7 * reference.abs().max()
+
+
+def test_the_attention_probe_is_cached_and_picks_the_faster(tmp_path):
+    from quantkit.runtime import one_query
+
+    asked = []
+
+    def timer(dtype, name, length):
+        asked.append((name, length))
+        return {"sdpa": 2.0, "native": 1.0}[name] * length
+
+    first = one_query.timings(torch.bfloat16, timer, tmp_path / "probe.json")
+    assert first == {"sdpa": 2.0 * sum(one_query.LENGTHS), "native": 1.0 * sum(one_query.LENGTHS)}
+    assert len(asked) == 2 * len(one_query.LENGTHS)
+    assert one_query.timings(torch.bfloat16, timer, tmp_path / "probe.json") == first and len(asked) == 6  # cached
+    one_query.timings(torch.float32, timer, tmp_path / "probe.json")
+    assert len(asked) == 12  # another dtype: measured apart

@@ -13,8 +13,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -151,57 +153,56 @@ void int4_block(const uint8_t* packed, const uint32_t* sz, const float* x, const
   for (int q = 0; q < 4; ++q) _mm512_storeu_ps(out + 16 * q, y[q]);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// The same with two input columns per step: the 64 rows' nibbles of columns c and c + 1 interleaved byte by
-// byte (unpack within 128-bit lanes: pairs of rows 0-7, 16-23 from the low halves, 8-15, 24-31 from the high),
-// widened to 16 bits, turned into exact bf16 values 0..15 by a table lookup and multiplied with the pair
-// (x[c], x[c + 1]) by vdpbf16ps: half the instructions of `int4_block`. The four accumulators hold rows in
-// the order {0-7, 16-23}, {8-15, 24-31} and the same + 32; scales are permuted alike and the sums put back.
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// The same with two input columns per step. One 64-byte load holds columns c and c + 1 (32 bytes each); a byte
+// permute (vpermb, zeroing every other byte) puts row r's bytes of both columns into one 32-bit lane, 16 rows
+// a register; masking a nibble and setting the exponent bits 0x4300 makes each 16-bit half the exact bf16 of
+// 128 + u; vdpbf16ps multiplies the pair with (x[c], x[c + 1]) and adds both products: a quarter of the
+// instructions of `int4_block` per weight, no table lookups. The 128 * sum(x) this adds per group is taken
+// back with the zero term: y += scale * acc + (zero - (8 + 128) * scale) * sum_{k in g} x[k].
 void int4_block_bf16(const uint8_t* packed, const uint32_t* sz, const uint32_t* xpairs, const float* xsum,
                      int64_t k, int64_t group, int64_t n_pad, int64_t block, float* out) {
   __m512 y[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-      0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);  // bf16 of 15 .. 0
-  const __m512i nibble = _mm512_set1_epi16(0x0f);
-  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
+  // lane r of `first`: bytes r and 32 + r (rows r of columns c and c + 1), of `second`: 16 + r and 48 + r
+  alignas(64) uint8_t index_first[64], index_second[64];
+  for (int r = 0; r < 16; ++r) {
+    index_first[4 * r] = static_cast<uint8_t>(r), index_first[4 * r + 2] = static_cast<uint8_t>(32 + r);
+    index_second[4 * r] = static_cast<uint8_t>(16 + r), index_second[4 * r + 2] = static_cast<uint8_t>(48 + r);
+    index_first[4 * r + 1] = index_first[4 * r + 3] = index_second[4 * r + 1] = index_second[4 * r + 3] = 0;
+  }
+  const __m512i first = _mm512_load_si512(index_first), second = _mm512_load_si512(index_second);
+  const __mmask64 keep = 0x5555555555555555ull;  // bytes 0 and 2 of every 32-bit lane; 1 and 3 zeroed
+  const __m512i nibble = _mm512_set1_epi32(0x000f000f), exponent = _mm512_set1_epi32(0x43004300);
   const uint8_t* p = packed + block * k * 32;
   for (int64_t g = 0; g * group < k; ++g) {
+    // acc[0]: rows 0-15 (low nibbles of bytes 0-15), [1]: rows 16-31, [2]: 32-47 (high nibbles), [3]: 48-63
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     const int64_t k_end = std::min(k, (g + 1) * group);
     for (int64_t c = g * group; c < k_end; c += 2) {
       _mm_prefetch(reinterpret_cast<const char*>(p + c * 32 + kPrefetch), _MM_HINT_T0);
-      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * 32));
-      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * 32 + 32));
+      const __m512i both = _mm512_loadu_si512(p + c * 32);
       const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(xpairs[c / 2]));
-      const __m512i u = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(b0, b1));
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(b0, b1));
-      acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(u, nibble), table), xp);
-      acc[1] = _mm512_dpbf16_ps(acc[1], (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, nibble), table), xp);
-      acc[2] = _mm512_dpbf16_ps(acc[2], (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(u, 4), table), xp);
-      acc[3] = _mm512_dpbf16_ps(acc[3], (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table), xp);
+      const __m512i a = _mm512_maskz_permutexvar_epi8(keep, first, both);
+      const __m512i b = _mm512_maskz_permutexvar_epi8(keep, second, both);
+      // (v & nibble) | exponent: ternary-logic table 0xEA
+      acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_ternarylogic_epi32(a, nibble, exponent, 0xEA), xp);
+      acc[1] = _mm512_dpbf16_ps(acc[1], (__m512bh)_mm512_ternarylogic_epi32(b, nibble, exponent, 0xEA), xp);
+      acc[2] = _mm512_dpbf16_ps(acc[2], (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(a, 4), nibble,
+                                                                            exponent, 0xEA), xp);
+      acc[3] = _mm512_dpbf16_ps(acc[3], (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(b, 4), nibble,
+                                                                            exponent, 0xEA), xp);
     }
     const uint32_t* row_sz = sz + g * n_pad + block * kBlock;
     const __m512 sx = _mm512_set1_ps(xsum[g]);
-    for (int half = 0; half < 2; ++half) {  // rows 0-31, then 32-63
-      const __m512i a = _mm512_loadu_si512(row_sz + 32 * half), b = _mm512_loadu_si512(row_sz + 32 * half + 16);
-      const __m512i words[2] = {_mm512_permutex2var_epi32(a, first, b), _mm512_permutex2var_epi32(a, second, b)};
-      for (int j = 0; j < 2; ++j) {
-        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(words[j], 16));
-        const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(words[j], _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-        const int q = 2 * half + j;
-        y[q] = _mm512_fmadd_ps(scale, acc[q], y[q]);
-        y[q] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero), sx, y[q]);
-      }
+    for (int q = 0; q < 4; ++q) {
+      const __m512i words = _mm512_loadu_si512(row_sz + 16 * q);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+      y[q] = _mm512_fmadd_ps(scale, acc[q], y[q]);
+      y[q] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(136.f), scale, zero), sx, y[q]);
     }
   }
-  for (int half = 0; half < 2; ++half) {  // back to row order: {0-7, 16-23} and {8-15, 24-31} -> 0-15, 16-31
-    const __m512i to_first = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i to_second = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
-    _mm512_storeu_ps(out + 32 * half, _mm512_permutex2var_ps(y[2 * half], to_first, y[2 * half + 1]));
-    _mm512_storeu_ps(out + 32 * half + 16, _mm512_permutex2var_ps(y[2 * half], to_second, y[2 * half + 1]));
-  }
+  for (int q = 0; q < 4; ++q) _mm512_storeu_ps(out + 16 * q, y[q]);
 }
 #endif
 
@@ -235,7 +236,7 @@ torch::Tensor int4_gemv(const torch::Tensor& packed, const torch::Tensor& scale_
   at::parallel_for(0, n_pad / kBlock, 1, [&](int64_t begin, int64_t end) {
     float rows[kBlock];
     for (int64_t b = begin; b < end; ++b) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
       if (group % 2 == 0) {
         int4_block_bf16(p, sz, xpairs.data(), xsum.data(), k, group, n_pad, b, rows);
       } else {
@@ -254,7 +255,134 @@ torch::Tensor int4_gemv(const torch::Tensor& packed, const torch::Tensor& scale_
 #endif
 }
 
+namespace {
+
+// One query's attention over `length` cached positions of one kv head, for the `group` query heads that share
+// it: scores in float32, a softmax, the weighted sum of values; T is element type of q, keys and values.
+template <typename T>
+float widen(T v);
+template <>
+inline float widen<float>(float v) { return v; }
+template <>
+inline float widen<uint16_t>(uint16_t v) { return bf16_to_float(v); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
+#endif
+
+// dot(qf, k) over dim values, qf already float32
+template <typename T>
+inline float dot_row(const float* qf, const T* k, int64_t dim) {
+  int64_t d = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16(k + d), acc);
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < dim; ++d) sum += qf[d] * widen<T>(k[d]);
+  return sum;
+}
+
+// acc += p * v over dim values
+template <typename T>
+inline void add_row(float* acc, float p, const T* v, int64_t dim) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; d + 16 <= dim; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+#endif
+  for (; d < dim; ++d) acc[d] += p * widen<T>(v[d]);
+}
+
+// The `group` query heads that share one kv head: scores (float32, the mask added), a softmax per head, the
+// weighted sum of values; each key and value row is read once for the whole group.
+template <typename T>
+void attend_group(const T* q, const T* keys, const T* values, const float* mask, int64_t length, int64_t dim,
+                  int64_t group, float scale, float* qf, float* scores, float* acc, T* out) {
+  for (int64_t i = 0; i < group * dim; ++i) qf[i] = widen<T>(q[i]);
+  for (int64_t t = 0; t < length; ++t) {
+    const T* kt = keys + t * dim;
+    for (int64_t h = 0; h < group; ++h)
+      scores[h * length + t] = dot_row<T>(qf + h * dim, kt, dim) * scale + (mask ? mask[t] : 0.f);
+  }
+  std::vector<float> inv(group);
+  for (int64_t h = 0; h < group; ++h) {
+    float* sh = scores + h * length;
+    float best = -INFINITY, total = 0.f;
+    for (int64_t t = 0; t < length; ++t) best = std::max(best, sh[t]);
+    for (int64_t t = 0; t < length; ++t) {
+      sh[t] = best == -INFINITY ? 0.f : std::exp(sh[t] - best);
+      total += sh[t];
+    }
+    inv[h] = total > 0.f ? 1.f / total : 0.f;
+  }
+  std::fill(acc, acc + group * dim, 0.f);
+  for (int64_t t = 0; t < length; ++t) {
+    const T* vt = values + t * dim;
+    for (int64_t h = 0; h < group; ++h) add_row<T>(acc + h * dim, scores[h * length + t], vt, dim);
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    for (int64_t d = 0; d < dim; ++d) {
+      const float v = acc[h * dim + d] * inv[h];
+      if constexpr (std::is_same<T, float>::value) {
+        out[h * dim + d] = v;
+      } else {
+        out[h * dim + d] = float_to_bf16(v);
+      }
+    }
+  }
+}
+
+template <typename T>
+void attend_all(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                const c10::optional<torch::Tensor>& mask, int64_t length, double scale, torch::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = keys.size(1), slots = keys.size(2), group = heads / kv_heads;
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(keys.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(values.data_ptr());
+  const float* mp = mask ? mask->data_ptr<float>() : nullptr;
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), scores(group * length), acc(group * dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv_heads, kv = i % kv_heads;
+      const int64_t head0 = kv * group;
+      attend_group<T>(qp + (b * heads + head0) * dim, kp + (b * kv_heads + kv) * slots * dim,
+                      vp + (b * kv_heads + kv) * slots * dim, mp ? mp + b * length : nullptr, length, dim, group,
+                      static_cast<float>(scale), qf.data(), scores.data(), acc.data(), op + (b * heads + head0) * dim);
+    }
+  });
+}
+
+}  // namespace
+
+// One query per sequence: q [B, H, D]; keys / values [B, H_kv, S, D] (a static cache, S slots) of which the
+// first `length` are read; mask [B, length] float32, added to the scores (or None). Returns [B, H, D].
+torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                         const c10::optional<torch::Tensor>& mask, int64_t length, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes() && q.is_contiguous() &&
+              keys.is_contiguous() && values.is_contiguous(), "attend_one: contiguous q [B, H, D], cache [B, Hkv, S, D]");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type() &&
+              (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat32), "attend_one: bf16 or float32");
+  TORCH_CHECK(q.size(0) == keys.size(0) && q.size(2) == keys.size(3) && q.size(1) % keys.size(1) == 0 &&
+              length >= 1 && length <= keys.size(2), "attend_one: shapes of q and the cache disagree");
+  TORCH_CHECK(!mask || (mask->scalar_type() == torch::kFloat32 && mask->is_contiguous() && mask->dim() == 2 &&
+              mask->size(0) == q.size(0) && mask->size(1) == length), "attend_one: mask must be float32 [B, length]");
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == torch::kFloat32) {
+    attend_all<float>(q, keys, values, mask, length, scale, out);
+  } else {
+    attend_all<uint16_t>(q, keys, values, mask, length, scale, out);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend_one", &attend_one, "one query's attention per sequence over a static KV cache",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("length"), py::arg("scale"));
   m.def("gemv_bf16", &gemv_bf16, "one-token bf16 linear (no bias), bf16 out");
   m.def("int4_gemv", &int4_gemv, "one-token linear of the CPU int4 op's AVX-512 layout, bf16 in and out");
   m.def("int4_available", &int4_available, "whether int4_gemv was built (AVX-512)");

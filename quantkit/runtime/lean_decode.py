@@ -8,8 +8,9 @@ CPU int4 op directly (its bf16 output promoted to float32 by its consumers, exac
 FP8 linears as their own modules; RMSNorm is one fused op (bit-identical to the module); RoPE is
 applied once over the q and k heads side by side (a roll instead of rotate_half's four ops, the
 same values); keys/values are written into the
-preallocated StaticCache the prefill filled, and attention reads only the filled part, with an
-additive padding mask only when a row is padded. Plain q/k/v and gate/up projections of one
+preallocated StaticCache the prefill filled, and attention reads only the filled part (torch's SDPA or the
+native one-query kernel, whichever is faster here: `one_query`), with an additive padding mask only when a
+row is padded. Plain q/k/v and gate/up projections of one
 dtype are fused (one GEMV each instead of three and two): their weights are re-stored as views
 into one concatenated tensor, so nothing is duplicated and the modules keep working as before.
 Logits are tested against transformers' forward, and greedy outputs equal to transformers'.
@@ -31,6 +32,7 @@ from quantkit.quant.fp8 import fake_quantize
 from quantkit.qmodules.kv import head_view
 from quantkit.qmodules.int_linear import PackedIntLinear
 from quantkit.qmodules import online_rotation
+from quantkit.runtime import one_query
 from quantkit.runtime.state import runtime_state
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -377,7 +379,6 @@ class LeanDecoder:
         # no padding (e.g. one prompt): no mask at all; else one additive mask for every layer
         attend = None if bool(mask.all()) else \
             torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(mask == 0, float("-inf"))[:, None, None]
-        gqa = heads != self.kv_heads
         for i, p in enumerate(self.plans):
             x = _rms_norm(h, p.ln1)
             # an int4 output may come in bf16 (see `_Int4`): RoPE and the cache write promote it to
@@ -405,8 +406,7 @@ class LeanDecoder:
             store = self.cache.layers[i]
             store.keys[:, :, slot] = k[:, :, 0]
             store.values[:, :, slot] = v[:, :, 0]
-            o = F.scaled_dot_product_attention(q, store.keys[:, :, : slot + 1], store.values[:, :, : slot + 1],
-                                               attn_mask=attend, scale=self.scaling, enable_gqa=gqa)
+            o = one_query.attend(q, store.keys, store.values, slot + 1, attend, self.scaling)
             h = h + _run(p.o, o.transpose(1, 2).reshape(b, 1, -1))
             x = _rms_norm(h, p.ln2)
             if p.gate_up is not None:

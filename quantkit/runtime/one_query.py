@@ -1,0 +1,88 @@
+"""One query's attention per sequence over the lean decode step's static KV cache: torch's SDPA or
+quantkit's native kernel (`kernels.native.attend_one`), whichever a probe measured faster here for the
+cache's dtype.
+
+On a 2-core AMD EPYC with avx512_bf16 (no AMX), bf16 SDPA for one query of SmolLM2's heads (9 query heads
+over 3 kv heads of 64) took 238 us over 300 cached positions and 3.9 ms over 2000: 30 layers made a step
+at a 2000-token context 4x slower than the layers' linears. The native kernel reads each key and value row
+once for the query heads that share it (float32 scores and softmax, one rounding of the output): 34 us and
+215 us there, with SDPA's error against a float64 reference or less. Float32 SDPA was as fast as the native
+kernel, so the choice is measured per dtype (`impl`), once per machine, and cached.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.kernels import native
+from quantkit.platform import compute
+
+LENGTHS = (64, 512, 2048)  # cached positions the probe times, summed: short chats to long documents
+SHAPE = (9, 3, 64)  # query heads, kv heads, head dim of the probe (SmolLM2's)
+IMPLS = ("sdpa", "native")
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, mask: Optional[torch.Tensor],
+           scale: float) -> torch.Tensor:
+    """q [B, H, 1, D] over the first `length` slots of keys / values [B, H_kv, S, D]; mask: additive
+    [B, 1, 1, length] in q's dtype, or None. Returns [B, H, 1, D]."""
+    if impl(q.dtype) == "native" and q.dtype == keys.dtype == values.dtype and keys.is_contiguous() \
+            and values.is_contiguous():
+        b, h, _, d = q.shape
+        flat = None if mask is None else mask[:, 0, 0].float().contiguous()
+        return native.module().attend_one(q.reshape(b, h, d).contiguous(), keys, values, flat, length,
+                                          scale).view(b, h, 1, d)
+    return F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length], attn_mask=mask,
+                                          scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
+
+
+def available(dtype: torch.dtype) -> bool:
+    return dtype in (torch.bfloat16, torch.float32) and native.module() is not None
+
+
+def _seconds(dtype: torch.dtype, name: str, length: int, reps: int = 20) -> float:
+    """Median seconds of one call by `name` over `length` positions of a 4096-slot cache of SHAPE."""
+    heads, kv_heads, dim = SHAPE
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, 1, dim, generator=g).to(dtype)
+    keys, values = (torch.randn(1, kv_heads, 4096, dim, generator=g).to(dtype) for _ in range(2))
+    if name == "native":
+        qf = q.reshape(1, heads, dim)
+        run = lambda: native.module().attend_one(qf, keys, values, None, length, 0.125)  # noqa: E731
+    else:
+        run = lambda: F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length],  # noqa: E731
+                                                     scale=0.125, enable_gqa=True)
+    run()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def timings(dtype: torch.dtype, timer: Callable[[torch.dtype, str, int], float] = _seconds,
+            cache_file=None) -> dict[str, float]:
+    """Seconds summed over LENGTHS for each implementation, measured once per machine and dtype (cached)."""
+    key = f"one-query attention {str(dtype).removeprefix('torch.')}|{compute._machine_key()}"
+    known = compute.read_probe_cache(cache_file).get(key)
+    if isinstance(known, dict) and all(isinstance(known.get(n), (int, float)) and known[n] > 0 for n in IMPLS):
+        return {n: float(known[n]) for n in IMPLS}
+    figures = {n: sum(timer(dtype, n, length) for length in LENGTHS) for n in IMPLS}
+    compute.write_probe_cache(cache_file, {key: figures})
+    return figures
+
+
+@functools.lru_cache(maxsize=None)
+def impl(dtype: torch.dtype) -> str:
+    """"native" where the kernel runs `dtype` and the probe found it faster, else "sdpa"."""
+    if not available(dtype):
+        return "sdpa"
+    t = timings(dtype)
+    return "native" if t["native"] < t["sdpa"] else "sdpa"
