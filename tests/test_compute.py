@@ -240,7 +240,7 @@ def test_the_one_token_probe_is_cached_per_machine_and_dtype(tmp_path, monkeypat
     total = sum(a * b for a, b in compute.GEMV_SHAPES) / 1e6
     assert first == pytest.approx({"float32": total, "linear": 2 * total, "mv": 4 * total})
     (key,) = json.loads(cache.read_text())
-    assert key.startswith("gemv bfloat16|") and key.endswith(compute._machine_key())
+    assert key == f"gemv bfloat16|{compute._machine_key()}"
     compute.gemv_timings_cached(torch.float16, cache, timer)  # another dtype: measured apart
     assert len(timed) == 2 * n and len(json.loads(cache.read_text())) == 2
 
@@ -257,8 +257,9 @@ def test_the_native_gemv_is_timed_where_it_runs_and_chosen_when_fastest(tmp_path
     from quantkit.kernels import native
 
     available = {"on": True}
+    build = {"id": "a"}
     monkeypatch.setattr(compute, "GEMV_EXTRA", {"native": (lambda d: available["on"] and d == torch.bfloat16,
-                                                            native.gemv_bf16)})
+                                                            native.gemv_bf16, lambda: build["id"])})
     assert compute.NATIVE_GEMV == "native"
     seconds = {"linear": 2.0, "mv": 3.0, "native": 1.0}
     got = compute.gemv_timings_cached(torch.bfloat16, tmp_path / "probe.json",
@@ -274,6 +275,12 @@ def test_the_native_gemv_is_timed_where_it_runs_and_chosen_when_fastest(tmp_path
     timed = []
     again = compute.gemv_timings_cached(torch.bfloat16, cache, lambda d, impl, shape: timed.append(impl) or 1.0)
     assert "native" in again and "native" in timed
+    timed.clear()
+    compute.gemv_timings_cached(torch.bfloat16, cache, lambda d, impl, shape: timed.append(impl) or 1.0)
+    assert not timed  # known
+    build["id"] = "b"  # the native kernel changed: timed again
+    compute.gemv_timings_cached(torch.bfloat16, cache, lambda d, impl, shape: timed.append(impl) or 1.0)
+    assert "native" in timed
 
 
 @pytest.mark.parametrize("impl", ["mv", "linear", "native"])

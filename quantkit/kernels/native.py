@@ -61,13 +61,20 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=None)
+def build_id(flags: tuple[str, ...] = FLAGS) -> str:
+    """This machine's build key for `flags`: probe figures of the native kernels are cached under it, so a
+    changed kernel is measured again."""
+    return build_key(SOURCE.read_bytes(), _cpu_flags(), torch.__version__, flags)
+
+
 def build(flags: tuple[str, ...] = FLAGS, directory: Optional[Path] = None):
     """Compile (or find already compiled) the kernels with `flags`; the loaded module."""
     from torch.utils import cpp_extension
 
     from quantkit.platform.paths import cache_dir
 
-    key = build_key(SOURCE.read_bytes(), _cpu_flags(), torch.__version__, flags)
+    key = build_id(flags)
     folder = directory or cache_dir() / "native" / key
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob("*.so")):
@@ -112,4 +119,5 @@ def int4_available() -> bool:
     return mod is not None and bool(mod.int4_available())
 
 
-compute.register_gemv(compute.NATIVE_GEMV, lambda dtype: dtype == torch.bfloat16 and module() is not None, gemv_bf16)
+compute.register_gemv(compute.NATIVE_GEMV, lambda dtype: dtype == torch.bfloat16 and module() is not None, gemv_bf16,
+                      build_id)

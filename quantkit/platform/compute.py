@@ -56,14 +56,17 @@ WORKLOADS = ("batch", "decode")  # batch: GEMMs (calibration, eval); decode: one
 # kernels that define them (`register_gemv`: quantkit's own bf16 GEMV, `kernels.native`)
 GEMV_IMPLS = ("linear", "mv")
 NATIVE_GEMV = "native"
-GEMV_EXTRA: dict[str, tuple[Callable[[torch.dtype], bool], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = {}
+GEMV_EXTRA: dict[str, tuple[Callable[[torch.dtype], bool], Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                            Callable[[], str]]] = {}
 
 
 def register_gemv(name: str, available: Callable[[torch.dtype], bool],
-                  run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                  run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  version: Callable[[], str] = lambda: "") -> None:
     """Add a one-token implementation the GEMV probe times beside GEMV_IMPLS: available(dtype) says where it
-    runs, run(weight [N, K], x [K]) -> [N] in x's dtype (kernels register themselves: platform imports none)."""
-    GEMV_EXTRA[name] = (available, run)
+    runs, run(weight [N, K], x [K]) -> [N] in x's dtype, version() names the build (part of the cache key, so a
+    changed kernel is timed again). Kernels register themselves: platform imports none."""
+    GEMV_EXTRA[name] = (available, run, version)
 # dtypes that hold every value of a storage dtype exactly (float16 -> bfloat16 would drop 3 mantissa bits);
 # bf16 -> fp16 keeps every bf16 weight of a normal model (8 of fp16's 11 mantissa bits, |w| < 65504)
 EXACT_FOR = {
@@ -359,7 +362,7 @@ def _gemv_seconds(dtype: torch.dtype, impl: str, shape: tuple[int, int], reps: i
 
 def gemv_impls(dtype: torch.dtype) -> tuple[str, ...]:
     """The one-token implementations the probe times for `dtype`: GEMV_IMPLS and the registered ones that run it."""
-    return GEMV_IMPLS + tuple(name for name, (available, _) in GEMV_EXTRA.items() if available(dtype))
+    return GEMV_IMPLS + tuple(name for name, (available, _, _) in GEMV_EXTRA.items() if available(dtype))
 
 
 def gemv_timings(dtype: torch.dtype, shapes=GEMV_SHAPES,
@@ -380,8 +383,9 @@ def gemv_timings_cached(dtype: torch.dtype, cache_file: Optional[Path] = None,
     """`gemv_timings` at GEMV_SHAPES, measured once per machine (CPU model, torch version) and dtype
     and kept in the probe cache, so the decode dtype and kernel choices stay the same from run to run (an
     entry without a figure for every implementation available now is measured again)."""
-    key = f"gemv {_name(dtype)}|{_machine_key()}"
     impls = gemv_impls(dtype)
+    builds = "".join(f"|{name} {GEMV_EXTRA[name][2]()}" for name in impls if name in GEMV_EXTRA)
+    key = f"gemv {_name(dtype)}|{_machine_key()}{builds}"
     known = _read_probe_cache(cache_file)
     value = known.get(key)
     if isinstance(value, dict) and all(isinstance(value.get(k), (int, float)) and value[k] > 0

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.platform import compute
-from quantkit.kernels import cpu_int4
+from quantkit.kernels import cpu_int4, native
 from quantkit.qmodules.fp8_linear import Fp8Linear
 from quantkit.qmodules.int_act_linear import IntActLinear
 from quantkit.qmodules.int_linear import PackedIntLinear
@@ -278,7 +278,8 @@ def _runner(module: nn.Module, route: Route) -> _Runner:
 
 
 def _probe_key(kind: LayerKind, route: Route, tokens: int) -> str:
-    return f"decode {kind.key()}|{route.key()}|{tokens} tokens|{compute._machine_key()}"
+    build = f"|native {native.build_id()}" if route.kernel == "native" else ""  # a changed kernel: timed again
+    return f"decode {kind.key()}|{route.key()}|{tokens} tokens|{compute._machine_key()}{build}"
 
 
 class Figures:
