@@ -82,7 +82,8 @@ def main() -> None:
 
     print(compute.machine_summary())
     print("; ".join(dict.fromkeys(f"{n}: {m.quantkit_compute.describe()}" for n, m in models.items())))
-    print(f"prompt {args.prompt!r} ({len(ids)} tokens), "
+    shown = args.prompt if len(args.prompt) <= 80 else args.prompt[:77] + "..."
+    print(f"prompt {shown!r} ({len(ids)} tokens), "
           f"{args.max_new_tokens} new tokens, greedy, median of {args.runs} alternating runs")
     from quantkit.kernels.roofline import read_bandwidth
 

@@ -339,3 +339,19 @@ def test_a_model_reloaded_computes_what_it_computed_in_memory(tiny_llama, tokeni
         after = reloaded(ids).logits
     assert after.dtype == before.dtype == dtype
     assert torch.equal(after, before)
+
+
+def test_a_16_bit_dense_figure_is_kept_per_gemv_implementation(tmp_path, monkeypatch):
+    """The dense GEMV a figure timed is the one the one-token probe chose: another choice (e.g. the native
+    GEMV built or turned off) is timed again; a native build's figures carry its build key."""
+    monkeypatch.setattr(compute, "gemv_impl", lambda dtype: "mv")
+    monkeypatch.setattr(native, "build_id", lambda flags=native.FLAGS: "build-a")
+    _, timer = _choose(_table(), tmp_path=tmp_path)
+    keys = json.loads((tmp_path / "probe.json").read_text())
+    assert any(k.startswith("decode dense 512x64|gemv bfloat16 by mv|1 tokens|") for k in keys)
+    monkeypatch.setattr(compute, "gemv_impl", lambda dtype: "native")
+    _, again = _choose(_table(), tmp_path=tmp_path)
+    assert ("dense", "gemv bfloat16", 1) in again.asked and ("dense", "gemv float32", 1) not in again.asked
+    keys = json.loads((tmp_path / "probe.json").read_text())
+    assert any(k.startswith("decode dense 512x64|gemv bfloat16 by native|") and k.endswith("|native build-a")
+               for k in keys)

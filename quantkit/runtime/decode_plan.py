@@ -278,8 +278,17 @@ def _runner(module: nn.Module, route: Route) -> _Runner:
 
 
 def _probe_key(kind: LayerKind, route: Route, tokens: int) -> str:
-    build = f"|native {native.build_id()}" if route.kernel == "native" else ""  # a changed kernel: timed again
-    return f"decode {kind.key()}|{route.key()}|{tokens} tokens|{compute._machine_key()}{build}"
+    """The cache key of one figure: a route through the native kernels carries their build (a changed kernel is
+    timed again), a 16-bit dense GEMV the implementation the one-token probe chose for it."""
+    uses_native = route.kernel == "native"
+    if kind.family == "dense" and route.dtype in (torch.bfloat16, torch.float16) and tokens == 1:
+        impl = compute.gemv_impl(route.dtype)
+        uses_native = impl == compute.NATIVE_GEMV
+        route_key = f"{route.key()} by {impl}"
+    else:
+        route_key = route.key()
+    build = f"|native {native.build_id()}" if uses_native else ""
+    return f"decode {kind.key()}|{route_key}|{tokens} tokens|{compute._machine_key()}{build}"
 
 
 class Figures:
