@@ -360,3 +360,18 @@ def test_the_loader_keeps_a_model_16_bit_that_fits_only_as_stored(tiny_llama, mo
     assert loader.load(tiny_llama, offload="disk").dtype == torch.float32
     monkeypatch.setattr(memory, "available_memory", lambda: int(floats * 4 / 0.8) + 16)
     assert loader.load(tiny_llama).dtype == torch.float32
+
+
+def test_cached_timings_measure_once_per_name_and_again_when_a_way_is_missing(tmp_path):
+    cache, calls = tmp_path / "probe.json", []
+
+    def timer(value):
+        return lambda: calls.append(value) or value
+
+    first = compute.cached_timings("thing bf16|build 1", {"a": timer(2.0), "b": timer(1.0)}, cache)
+    assert first == {"a": 2.0, "b": 1.0} and len(calls) == 2
+    assert compute.cached_timings("thing bf16|build 1", {"a": timer(9.0), "b": timer(9.0)}, cache) == first
+    assert len(calls) == 2  # read back
+    compute.cached_timings("thing bf16|build 2", {"a": timer(3.0), "b": timer(3.0)}, cache)  # another build
+    compute.cached_timings("thing bf16|build 1", {"a": timer(4.0), "b": timer(4.0), "c": timer(4.0)}, cache)
+    assert len(calls) == 7  # a way the entry lacks: every way measured again

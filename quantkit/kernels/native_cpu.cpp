@@ -380,7 +380,66 @@ torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, cons
   return out;
 }
 
+namespace {
+
+// sum of squares of n values, widened to float32 (16 lanes, then the lanes added)
+template <typename T>
+float sum_squares(const T* x, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += widen<T>(x[i]) * widen<T>(x[i]);
+  return sum;
+}
+
+// one row of the llama-family RMSNorm as its module computes it: normalized in float32, then (16-bit input)
+// rounded to the input's dtype and multiplied by the weight in it, or (float32) multiplied in float32
+template <typename T>
+void rms_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
+  const float r = 1.f / std::sqrt(sum_squares<T>(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same<T, float>::value) {
+      out[i] = weight[i] * (x[i] * r);
+    } else {
+      out[i] = float_to_bf16(bf16_to_float(weight[i]) * bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * r)));
+    }
+  }
+}
+
+}  // namespace
+
+// x [R, H] (bf16 or float32, contiguous), weight [H] of its dtype: each row RMS-normalized and weighted.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1) &&
+              weight.scalar_type() == x.scalar_type() &&
+              (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+              "rms_norm: contiguous x [R, H] and weight [H] of one dtype, bf16 or float32");
+  auto out = torch::empty_like(x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (x.scalar_type() == torch::kFloat32) {
+        rms_row<float>(x.data_ptr<float>() + r * n, weight.data_ptr<float>(), out.data_ptr<float>() + r * n, n,
+                       static_cast<float>(eps));
+      } else {
+        rms_row<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()) + r * n,
+                          reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+                          reinterpret_cast<uint16_t*>(out.data_ptr()) + r * n, n, static_cast<float>(eps));
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "the llama-family RMSNorm over rows", py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("attend_one", &attend_one, "one query's attention per sequence over a static KV cache",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("length"), py::arg("scale"));
   m.def("gemv_bf16", &gemv_bf16, "one-token bf16 linear (no bias), bf16 out");

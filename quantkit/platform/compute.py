@@ -406,6 +406,19 @@ def gemv_impl(dtype: torch.dtype) -> str:
     return min(t.keys() - {"float32"}, key=lambda impl: t[impl])
 
 
+def cached_timings(name: str, timers: dict[str, Callable[[], float]], cache_file: Optional[Path] = None) -> dict[str, float]:
+    """Seconds of each way of doing one thing (`timers`: way -> a function that times it), measured once per
+    machine under `name` (which should name the dtype and any build) and kept in the probe cache; an entry
+    without a figure for every way is measured again."""
+    key = f"{name}|{_machine_key()}"
+    known = _read_probe_cache(cache_file).get(key)
+    if isinstance(known, dict) and all(isinstance(known.get(w), (int, float)) and known[w] > 0 for w in timers):
+        return {w: float(known[w]) for w in timers}
+    figures = {w: timer() for w, timer in timers.items()}
+    _write_probe_cache(cache_file, key, figures)
+    return figures
+
+
 def read_probe_cache(cache_file: Optional[Path] = None) -> dict:
     """Every cached probe figure (an empty dict when there is no cache or it cannot be read)."""
     return _read_probe_cache(cache_file)

@@ -70,13 +70,9 @@ def _seconds(dtype: torch.dtype, name: str, length: int, reps: int = 20) -> floa
 def timings(dtype: torch.dtype, timer: Callable[[torch.dtype, str, int], float] = _seconds,
             cache_file=None) -> dict[str, float]:
     """Seconds summed over LENGTHS for each implementation, measured once per machine and dtype (cached)."""
-    key = f"one-query attention {str(dtype).removeprefix('torch.')}|{compute._machine_key()}|native {native.build_id()}"
-    known = compute.read_probe_cache(cache_file).get(key)
-    if isinstance(known, dict) and all(isinstance(known.get(n), (int, float)) and known[n] > 0 for n in IMPLS):
-        return {n: float(known[n]) for n in IMPLS}
-    figures = {n: sum(timer(dtype, n, length) for length in LENGTHS) for n in IMPLS}
-    compute.write_probe_cache(cache_file, {key: figures})
-    return figures
+    name = f"one-query attention {str(dtype).removeprefix('torch.')}|native {native.build_id()}"
+    return compute.cached_timings(name, {n: (lambda n=n: sum(timer(dtype, n, length) for length in LENGTHS))
+                                         for n in IMPLS}, cache_file)
 
 
 @functools.lru_cache(maxsize=None)
