@@ -29,6 +29,13 @@ def test_the_build_key_changes_with_source_cpu_torch_and_flags():
     assert native.build_key(b"src", "avx2 fma", "2.13.0") == base
 
 
+def test_the_build_targets_another_cpu_when_asked(monkeypatch):
+    monkeypatch.delenv(native.ARCH_ENV, raising=False)
+    assert native.flags() == native.FLAGS
+    monkeypatch.setenv(native.ARCH_ENV, "haswell")
+    assert native.flags() == ("-O3", "-march=haswell")
+
+
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv(native.ENV, "0")
     assert native._load.__wrapped__() == (None, "QUANTKIT_NATIVE=0")

@@ -12,7 +12,8 @@ The source is compiled once per machine (CPU flags, torch version, the source's 
 building at once wait for one another). Whether a kernel is *used* is measured, never assumed:
 `platform.compute` times the GEMV against torch's and `kernels.cpu_int4` the int4 GEMV against the
 op, per machine; each native int4 result is checked against the op once before it is trusted.
-QUANTKIT_NATIVE=0 turns both off; a failed build is said once and leaves torch's kernels in use.
+QUANTKIT_NATIVE=0 turns them off; QUANTKIT_NATIVE_ARCH=haswell (any -march) builds for another CPU (an AVX2
+machine imitated on this one); a failed build is said once and leaves torch's kernels in use.
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ from quantkit.platform import compute
 log = logging.getLogger(__name__)
 
 ENV = "QUANTKIT_NATIVE"
+ARCH_ENV = "QUANTKIT_NATIVE_ARCH"  # the -march to build for (default native): e.g. haswell imitates an AVX2 CPU
 SOURCE = Path(__file__).with_name("native_cpu.cpp")
 FLAGS = ("-O3", "-march=native")
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags of this process's build: FLAGS, or -march=$QUANTKIT_NATIVE_ARCH."""
+    arch = os.environ.get(ARCH_ENV, "").strip()
+    return FLAGS if arch in ("", "native") else ("-O3", f"-march={arch}")
 
 
 def disabled() -> bool:
@@ -62,24 +70,25 @@ def _cpu_flags() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def build_id(flags: tuple[str, ...] = FLAGS) -> str:
-    """This machine's build key for `flags`: probe figures of the native kernels are cached under it, so a
-    changed kernel is measured again."""
-    return build_key(SOURCE.read_bytes(), _cpu_flags(), torch.__version__, flags)
+def build_id(build_flags: Optional[tuple[str, ...]] = None) -> str:
+    """This machine's build key for `build_flags` (default `flags()`): probe figures of the native kernels are
+    cached under it, so a changed kernel is measured again."""
+    return build_key(SOURCE.read_bytes(), _cpu_flags(), torch.__version__, build_flags or flags())
 
 
-def build(flags: tuple[str, ...] = FLAGS, directory: Optional[Path] = None):
-    """Compile (or find already compiled) the kernels with `flags`; the loaded module."""
+def build(build_flags: Optional[tuple[str, ...]] = None, directory: Optional[Path] = None):
+    """Compile (or find already compiled) the kernels with `build_flags` (default `flags()`); the loaded module."""
     from torch.utils import cpp_extension
 
     from quantkit.platform.paths import cache_dir
 
-    key = build_id(flags)
+    build_flags = build_flags or flags()
+    key = build_id(build_flags)
     folder = directory or cache_dir() / "native" / key
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob("*.so")):
         print("quantkit: building its CPU kernels for this machine (once, about 30 s) ...", file=sys.stderr)
-    return cpp_extension.load(name=f"quantkit_native_{key}", sources=[str(SOURCE)], extra_cflags=list(flags),
+    return cpp_extension.load(name=f"quantkit_native_{key}", sources=[str(SOURCE)], extra_cflags=list(build_flags),
                               build_directory=str(folder), verbose=False)
 
 
