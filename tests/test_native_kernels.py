@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,14 +72,14 @@ def _cpu_has(flag: str) -> bool:
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="builds x86 variants")
 @pytest.mark.parametrize("arch, int4", [("haswell", False), ("skylake-avx512", True)])
 def test_the_other_builds_compute_the_same(tmp_path, arch, int4):
-    """The branches other CPUs compile, built here: AVX2 (an AVX2-only EPYC: the GEMV by FMAs, no int4 GEMV)
-    and AVX-512 without avx512_bf16 / VBMI (both GEMVs by float32 FMAs after widening)."""
+    """The branches other CPUs compile, built here: AVX2 (an AVX2-only EPYC: the GEMVs by FMAs, the int4 one
+    over the op's AVX2 layout only) and AVX-512 without avx512_bf16 / VBMI (float32 FMAs after widening)."""
     if int4 and not _cpu_has("avx512bw"):
         pytest.skip("this CPU cannot run an AVX-512 build")
     mod = native.build(("-O3", f"-march={arch}"), tmp_path)
     _check_gemv(mod.gemv_bf16)
-    assert mod.int4_available() is int4
-    if int4 and cpu_int4.native_reason() is None:
+    assert mod.int4_available(64) is int4 and mod.int4_available(32)
+    if cpu_int4.native_reason() is None and mod.int4_available(cpu_int4.layout_rows()):
         _check_int4(mod.int4_gemv, 192, 576, 64, False)
 
 
@@ -106,7 +107,7 @@ def _check_int4(int4_gemv, n, k, group, symmetric):
     w = cpu_int4.repack(codes, scale, zero, group, torch.bfloat16)
     x = torch.randn(k, generator=g).to(torch.bfloat16)
     reference = _dequantized(w, codes) @ x.double()
-    mine = int4_gemv(w.packed, w.scale_zeros, x, w.group_size, n)
+    mine = int4_gemv(w.packed, w.scale_zeros, x, w.group_size, n, cpu_int4.layout_rows())
     assert mine.dtype == torch.bfloat16 and mine.shape == (n,)
     assert ((mine.double() - reference).abs() <= _bf16_bound(reference)).all()
     op = w.matmul(x[None])[0].double()  # torch's op rounds each dequantized weight to bf16: a looser bound
@@ -209,3 +210,21 @@ def test_the_attention_probe_is_cached_and_picks_the_faster(tmp_path):
     assert one_query.timings(torch.bfloat16, timer, tmp_path / "probe.json") == first and len(asked) == 6  # cached
     one_query.timings(torch.float32, timer, tmp_path / "probe.json")
     assert len(asked) == 12  # another dtype: measured apart
+
+
+@needs_native
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="torch's AVX2 int4 layout (x86)")
+def test_the_int4_gemv_reads_the_ops_avx2_layout_too():
+    """Where torch dispatches AVX2 (an AVX2-only CPU, imitated by ATEN_CPU_CAPABILITY in a fresh process) the
+    op packs blocks of 32 rows; the native GEMV reads those too, against the float reference."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, tests.test_native_kernels as t; from quantkit.kernels import cpu_int4, native; "
+            "assert cpu_int4.layout_rows() == 32, cpu_int4.layout_rows(); assert cpu_int4.native_reason() is None, "
+            "cpu_int4.native_reason(); [t._check_int4(native.module().int4_gemv, n, k, g, s) for n, k, g, s in "
+            "((32, 128, 32, True), (96, 576, 64, False))]; print('ok')")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

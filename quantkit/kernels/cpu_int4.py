@@ -69,8 +69,9 @@ class Int4PackedCPU:
 
     @property
     def native_fits(self) -> bool:
-        """Whether the native one-token GEMV takes this weight: bf16 scales, rows in whole blocks of 64."""
-        return self.scale_zeros.dtype == torch.bfloat16 and self.packed.shape[0] % ROW_BLOCK == 0
+        """Whether the native one-token GEMV takes this weight: bf16 scales, rows in whole blocks of the layout."""
+        rows = layout_rows()
+        return self.scale_zeros.dtype == torch.bfloat16 and rows is not None and self.packed.shape[0] % rows == 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,7 +90,7 @@ class Int4PackedCPU:
         x2 = x2 if x2.is_contiguous() else x2.contiguous()
         if self.native_one_token and x2.shape[0] == 1 and self.dtype == torch.bfloat16:
             y = native.module().int4_gemv(self.packed, self.scale_zeros, x2[0], self.group_size,
-                                          self.out_features).view(1, -1)
+                                          self.out_features, layout_rows()).view(1, -1)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_zeros)
         if y.shape[-1] != self.out_features:
@@ -101,20 +102,30 @@ class Int4PackedCPU:
         return y.reshape(*shape[:-1], self.out_features)
 
 
+LAYOUT_ROWS = {"AVX512": 64, "AVX2": 32}  # rows per block of the op's packed layout, by torch's CPU capability
+
+
+def layout_rows() -> Optional[int]:
+    """Rows per block of the layout the op packs in this process (None: a capability whose layout is not known)."""
+    return LAYOUT_ROWS.get(torch.backends.cpu.get_cpu_capability())
+
+
 def native_reason() -> Optional[str]:
     """Why quantkit's own one-token GEMV cannot run this op's layout here (None when it can): it reads the
-    layout the op writes on an AVX-512 CPU (rows in blocks of 64), checked once against the op itself."""
+    layout the op writes on an AVX-512 CPU (rows in blocks of 64) or an AVX2 one (blocks of 32), checked once
+    against the op itself."""
     if not available():
         return "this torch build has no CPU int4 op"
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return f"torch packs int4 for {torch.backends.cpu.get_cpu_capability()}, not AVX512: another layout"
-    if not native.int4_available():
-        return native.reason() or "the native kernels were built without AVX-512"
-    return _layout_check()
+    rows = layout_rows()
+    if rows is None:
+        return f"torch packs int4 for {torch.backends.cpu.get_cpu_capability()}: a layout the native GEMV does not read"
+    if not native.int4_available(rows):
+        return native.reason() or f"the native kernels were built without the {rows}-row layout's instructions"
+    return _layout_check(rows)
 
 
 @functools.lru_cache(maxsize=None)
-def _layout_check() -> Optional[str]:
+def _layout_check(rows: int) -> Optional[str]:
     """None when the native GEMV and the op agree on a random 128 x 256 weight (groups of 64, zero points)."""
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(-8, 8, (128, 256), generator=g, dtype=torch.int8)
@@ -123,7 +134,7 @@ def _layout_check() -> Optional[str]:
     w = repack(codes, scale, zero, 64, torch.bfloat16)
     x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
     op = w.matmul(x).float()
-    mine = native.module().int4_gemv(w.packed, w.scale_zeros, x[0], 64, 128).float()
+    mine = native.module().int4_gemv(w.packed, w.scale_zeros, x[0], 64, 128, rows).float()
     err = (op[0] - mine).abs().max().item()
     bound = 0.02 * op.abs().max().item()  # two bf16 roundings of the same sums apart, not another layout
     return None if err <= bound else f"the native GEMV disagrees with the op here ({err:.3g} > {bound:.3g})"

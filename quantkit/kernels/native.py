@@ -123,9 +123,10 @@ def gemv_bf16(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return module().gemv_bf16(weight, x)
 
 
-def int4_available() -> bool:
+def int4_available(block_rows: int) -> bool:
+    """Whether the built kernels read the int4 op's layout with `block_rows` rows per block."""
     mod = module()
-    return mod is not None and bool(mod.int4_available())
+    return mod is not None and bool(mod.int4_available(block_rows))
 
 
 compute.register_gemv(compute.NATIVE_GEMV, lambda dtype: dtype == torch.bfloat16 and module() is not None, gemv_bf16,

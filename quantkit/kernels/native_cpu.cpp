@@ -4,7 +4,8 @@
 //             to nearest even once, at the end), as F.linear's dtype.
 // int4_gemv:  the same for a weight in the layout torch's `_convert_weight_to_int4pack_for_cpu` writes on an
 //             AVX-512 CPU (rows in blocks of 64; for each block and input column k, 32 bytes: byte j holds
-//             row j's code in its low nibble and row j + 32's in its high nibble), with the scales and zeros
+//             row j's code in its low nibble and row j + 32's in its high nibble; on AVX2 blocks of 32 rows and
+//             16 bytes, rows j and j + 16), with the scales and zeros
 //             that op reads (bf16 [K / group, N_pad, 2]): W[n, k] = (u - 8) * scale + zero. Each group's
 //             sum over u * x is kept in float32 and scaled once per group:
 //             y[n] = sum_g scale[g, n] * sum_{k in g} u[n, k] x[k] + (zero[g, n] - 8 scale[g, n]) * sum_{k in g} x[k].
@@ -105,19 +106,60 @@ torch::Tensor gemv_bf16(const torch::Tensor& weight, const torch::Tensor& x) {
   return y;
 }
 
-bool int4_available() {
+// Whether int4_gemv reads the layout with `block_rows` rows per block (64: the op's AVX-512 layout, 32: AVX2's).
+bool int4_available(int64_t block_rows) {
 #if defined(__AVX512F__)
-  return true;
-#else
-  return false;
+  if (block_rows == 64) return true;
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (block_rows == 32) return true;
+#endif
+  return false;
 }
+
+namespace {
+constexpr int64_t kPrefetch = 1024;  // bytes ahead of the columns being read
+
+#if defined(__AVX2__) && defined(__FMA__)
+// One block of 32 rows of the op's AVX2 layout (for each column, 16 bytes: byte j holds row j's code in its low
+// nibble and row j + 16's in its high nibble), over every group, by float32 FMAs: out[0..31].
+void int4_block32(const uint8_t* packed, const uint32_t* sz, const float* x, const float* xsum, int64_t k,
+                  int64_t group, int64_t n_pad, int64_t block, float* out) {
+  __m256 y[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const uint8_t* p = packed + block * k * 16;
+  for (int64_t g = 0; g * group < k; ++g) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int64_t k_end = std::min(k, (g + 1) * group);
+    for (int64_t c = g * group; c < k_end; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + c * 16 + kPrefetch), _MM_HINT_T0);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 16));
+      const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+      const __m256 xc = _mm256_set1_ps(x[c]);
+      acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), xc, acc[0]);
+      acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), xc, acc[1]);
+      acc[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), xc, acc[2]);
+      acc[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), xc, acc[3]);
+    }
+    const uint32_t* row_sz = sz + g * n_pad + block * 32;
+    const __m256 sx = _mm256_set1_ps(xsum[g]);
+    for (int q = 0; q < 4; ++q) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_sz + 8 * q));
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+      y[q] = _mm256_fmadd_ps(scale, acc[q], y[q]);
+      y[q] = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale, zero), sx, y[q]);
+    }
+  }
+  for (int q = 0; q < 4; ++q) _mm256_storeu_ps(out + 8 * q, y[q]);
+}
+#endif
+}  // namespace
 
 #if defined(__AVX512F__)
 namespace {
 
 constexpr int64_t kBlock = 64;  // rows per block of the op's AVX-512 layout
-constexpr int64_t kPrefetch = 1024;  // bytes ahead of the columns being read
 
 // One block of 64 rows over every group: out[0..63] in float32.
 void int4_block(const uint8_t* packed, const uint32_t* sz, const float* x, const float* xsum, int64_t k,
@@ -209,16 +251,35 @@ void int4_block_bf16(const uint8_t* packed, const uint32_t* sz, const uint32_t* 
 }  // namespace
 #endif
 
-torch::Tensor int4_gemv(const torch::Tensor& packed, const torch::Tensor& scale_zeros, const torch::Tensor& x,
-                        int64_t group, int64_t out_features) {
+namespace {
+
+// One block of `block_rows` rows into rows[], by the best kernel this build has for the layout.
+void int4_rows(int64_t block_rows, const uint8_t* p, const uint32_t* sz, const float* xf, const uint32_t* xpairs,
+               const float* xsum, int64_t k, int64_t group, int64_t n_pad, int64_t b, float* rows) {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  if (block_rows == 64 && group % 2 == 0) return int4_block_bf16(p, sz, xpairs, xsum, k, group, n_pad, b, rows);
+#endif
 #if defined(__AVX512F__)
+  if (block_rows == 64) return int4_block(p, sz, xf, xsum, k, group, n_pad, b, rows);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (block_rows == 32) return int4_block32(p, sz, xf, xsum, k, group, n_pad, b, rows);
+#endif
+  TORCH_CHECK(false, "int4_gemv: this build cannot read blocks of ", block_rows, " rows");
+}
+
+}  // namespace
+
+torch::Tensor int4_gemv(const torch::Tensor& packed, const torch::Tensor& scale_zeros, const torch::Tensor& x,
+                        int64_t group, int64_t out_features, int64_t block_rows) {
+  TORCH_CHECK(int4_available(block_rows), "int4_gemv: this build cannot read blocks of ", block_rows, " rows");
   check_bf16(scale_zeros, "scale_zeros");
   check_bf16(x, "x");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2,
               "int4_gemv: packed must be the op's contiguous uint8 [N_pad, K / 2] layout");
   const int64_t n_pad = packed.size(0), k = packed.size(1) * 2;
-  TORCH_CHECK(n_pad % kBlock == 0 && x.numel() == k && group > 0 && k % group == 0 && out_features <= n_pad,
-              "int4_gemv: rows must come in blocks of 64 and x must have K values in whole groups");
+  TORCH_CHECK(n_pad % block_rows == 0 && x.numel() == k && group > 0 && k % group == 0 && out_features <= n_pad,
+              "int4_gemv: rows must come in whole blocks and x must have K values in whole groups");
   TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.size(0) == k / group && scale_zeros.size(1) == n_pad,
               "int4_gemv: scale_zeros must be [K / group, N_pad, 2]");
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -233,26 +294,15 @@ torch::Tensor int4_gemv(const torch::Tensor& packed, const torch::Tensor& scale_
   auto* out = reinterpret_cast<uint16_t*>(y.data_ptr());
   const auto* p = packed.data_ptr<uint8_t>();
   const auto* sz = reinterpret_cast<const uint32_t*>(scale_zeros.data_ptr());
-  at::parallel_for(0, n_pad / kBlock, 1, [&](int64_t begin, int64_t end) {
-    float rows[kBlock];
+  at::parallel_for(0, n_pad / block_rows, 1, [&](int64_t begin, int64_t end) {
+    float rows[64];
     for (int64_t b = begin; b < end; ++b) {
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-      if (group % 2 == 0) {
-        int4_block_bf16(p, sz, xpairs.data(), xsum.data(), k, group, n_pad, b, rows);
-      } else {
-        int4_block(p, sz, xf.data(), xsum.data(), k, group, n_pad, b, rows);
-      }
-#else
-      int4_block(p, sz, xf.data(), xsum.data(), k, group, n_pad, b, rows);
-#endif
-      for (int64_t r = 0; r < kBlock && b * kBlock + r < out_features; ++r) out[b * kBlock + r] = float_to_bf16(rows[r]);
+      int4_rows(block_rows, p, sz, xf.data(), xpairs.data(), xsum.data(), k, group, n_pad, b, rows);
+      for (int64_t r = 0; r < block_rows && b * block_rows + r < out_features; ++r)
+        out[b * block_rows + r] = float_to_bf16(rows[r]);
     }
   });
   return y;
-#else
-  TORCH_CHECK(false, "int4_gemv needs AVX-512 (this build has none)");
-  return x;
-#endif
 }
 
 namespace {
@@ -443,6 +493,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_one", &attend_one, "one query's attention per sequence over a static KV cache",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("length"), py::arg("scale"));
   m.def("gemv_bf16", &gemv_bf16, "one-token bf16 linear (no bias), bf16 out");
-  m.def("int4_gemv", &int4_gemv, "one-token linear of the CPU int4 op's AVX-512 layout, bf16 in and out");
-  m.def("int4_available", &int4_available, "whether int4_gemv was built (AVX-512)");
+  m.def("int4_gemv", &int4_gemv, "one-token linear over the CPU int4 op's layout (blocks of 64 or 32 rows), bf16",
+        py::arg("packed"), py::arg("scale_zeros"), py::arg("x"), py::arg("group"), py::arg("out_features"),
+        py::arg("block_rows"));
+  m.def("int4_available", &int4_available, "whether int4_gemv reads blocks of block_rows rows in this build",
+        py::arg("block_rows"));
 }
