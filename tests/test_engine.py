@@ -146,10 +146,18 @@ def _dense(q, k, v, positions, window, softcap, scale):
     return torch.stack(out, 1)  # [H, n, d]
 
 
+@pytest.mark.parametrize("way", ["sdpa", "native"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 20.0), (6, 30.0)])
-def test_paged_attention_matches_dense(window, softcap):
+def test_paged_attention_matches_dense(window, softcap, way, monkeypatch):
     """Two decoding sequences and two prefill chunks (one with a cached context, one fresh), scattered over
-    the pool's blocks in random order, against dense attention per sequence."""
+    the pool's blocks in random order, against dense attention per sequence; the decoding ones by SDPA or the
+    native one-query kernel (`runtime.one_query`: soft-capped scores always take the reference path)."""
+    from quantkit.kernels import native
+    from quantkit.runtime import one_query
+
+    if way == "native" and native.module() is None:
+        pytest.skip(f"native kernels not built: {native.reason()}")
+    monkeypatch.setattr(one_query, "impl", lambda dtype: way)
     torch.manual_seed(0)
     heads, kv_heads, d, bs = 4, 2, 8, 4
     pool = KVPool(KVShape(1, kv_heads, d), 16, bs, torch.float32, torch.device("cpu"))

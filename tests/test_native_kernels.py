@@ -228,3 +228,16 @@ def test_the_int4_gemv_reads_the_ops_avx2_layout_too():
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+@needs_native
+def test_one_query_attention_reads_a_gathered_paged_context_through_its_strides():
+    """The serving engine's decode context: [B, L, H_kv, D] gathered, viewed as [B, H_kv, L, D] (no copy)."""
+    q, keys, values, mask, reference = _attention_case(torch.bfloat16)
+    gathered_k, gathered_v = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()  # [B, S, Hkv, D]
+    k_view, v_view = gathered_k.permute(0, 2, 1, 3), gathered_v.permute(0, 2, 1, 3)
+    assert not k_view.is_contiguous()
+    b, h, _, d = q.shape
+    out = native.module().attend_one(q.reshape(b, h, d).contiguous(), k_view, v_view,
+                                     mask[:, 0, 0].float().contiguous(), mask.shape[-1], d ** -0.5)
+    assert (out.double().view_as(reference) - reference).abs().max() <= 2.0 ** -7 * reference.abs().max()

@@ -6,7 +6,8 @@ usual and call the attention implementation registered here (`NAME`), which gets
 layout (`StepLayout`) as the keyword `quantkit_step`. It writes the step's keys and values into
 the pool at their slots, then attends:
   - decode tokens (one per sequence) at once: their contexts' blocks gathered from the pool into
-    one padded [B, blocks x block_size] batch, one masked SDPA;
+    one padded [B, blocks x block_size] batch, one masked one-query attention (SDPA or the native
+    kernel, whichever `runtime.one_query` measured faster; SDPA where scores are soft-capped);
   - each prefill chunk on its own: its context's blocks (cached prefix + earlier chunks + itself)
     gathered, causal within the chunk; a chunk with no earlier context attends to its own keys.
 Sliding-window layers (Gemma 3: the module passes `sliding_window`) see only keys with
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.engine.kv_pool import KVPool
+from quantkit.runtime import one_query
 
 NAME = "quantkit_paged"
 
@@ -49,6 +51,15 @@ class DecodeGroup:
                 keep &= (self.lengths[:, None] - 1 - j[None]) < window
             self.masks[window] = None if bool(keep.all()) else keep[:, None, None]
         return self.masks[window]
+
+    def additive(self, window: Optional[int], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """`mask` as 0 / -inf scores [B, 1, 1, n x block_size] in `dtype` (None when nothing is masked)."""
+        key = ("additive", window, dtype)
+        if key not in self.masks:
+            keep = self.mask(window)
+            self.masks[key] = None if keep is None else \
+                torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+        return self.masks[key]
 
 
 @dataclass
@@ -128,7 +139,12 @@ def attend_layer(step: StepLayout, layer: int, query: torch.Tensor, key: torch.T
         g = step.decode
         q = query[0][:, g.rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, d]
         k, v = step.pool.read(layer, g.tables)  # [B, Lmax, KVH, d]
-        o = attend(q, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), g.mask(sliding_window), False, scaling, softcap)
+        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        if softcap is None:  # one query a sequence: SDPA or the native kernel, whichever is faster here
+            o = one_query.attend(q, k, v, k.shape[2], g.additive(sliding_window, q.dtype),
+                                 q.shape[-1] ** -0.5 if scaling is None else scaling)
+        else:
+            o = attend(q, k, v, g.mask(sliding_window), False, scaling, softcap)
         out[g.rows] = o[:, :, 0]
     for c in step.chunks:
         end = c.start + c.count

@@ -346,14 +346,22 @@ inline void add_row(float* acc, float p, const T* v, int64_t dim) {
   for (; d < dim; ++d) acc[d] += p * widen<T>(v[d]);
 }
 
+// one kv head's cached rows: position t's `dim` values start at base + t * stride
+template <typename T>
+struct Rows {
+  const T* base;
+  int64_t stride;
+  const T* at(int64_t t) const { return base + t * stride; }
+};
+
 // The `group` query heads that share one kv head: scores (float32, the mask added), a softmax per head, the
 // weighted sum of values; each key and value row is read once for the whole group.
 template <typename T>
-void attend_group(const T* q, const T* keys, const T* values, const float* mask, int64_t length, int64_t dim,
+void attend_group(const T* q, Rows<T> keys, Rows<T> values, const float* mask, int64_t length, int64_t dim,
                   int64_t group, float scale, float* qf, float* scores, float* acc, T* out) {
   for (int64_t i = 0; i < group * dim; ++i) qf[i] = widen<T>(q[i]);
   for (int64_t t = 0; t < length; ++t) {
-    const T* kt = keys + t * dim;
+    const T* kt = keys.at(t);
     for (int64_t h = 0; h < group; ++h)
       scores[h * length + t] = dot_row<T>(qf + h * dim, kt, dim) * scale + (mask ? mask[t] : 0.f);
   }
@@ -370,7 +378,7 @@ void attend_group(const T* q, const T* keys, const T* values, const float* mask,
   }
   std::fill(acc, acc + group * dim, 0.f);
   for (int64_t t = 0; t < length; ++t) {
-    const T* vt = values + t * dim;
+    const T* vt = values.at(t);
     for (int64_t h = 0; h < group; ++h) add_row<T>(acc + h * dim, scores[h * length + t], vt, dim);
   }
   for (int64_t h = 0; h < group; ++h) {
@@ -389,7 +397,7 @@ template <typename T>
 void attend_all(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                 const c10::optional<torch::Tensor>& mask, int64_t length, double scale, torch::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = keys.size(1), slots = keys.size(2), group = heads / kv_heads;
+  const int64_t kv_heads = keys.size(1), group = heads / kv_heads;
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
   const T* kp = reinterpret_cast<const T*>(keys.data_ptr());
   const T* vp = reinterpret_cast<const T*>(values.data_ptr());
@@ -400,8 +408,9 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& keys, const torch::
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / kv_heads, kv = i % kv_heads;
       const int64_t head0 = kv * group;
-      attend_group<T>(qp + (b * heads + head0) * dim, kp + (b * kv_heads + kv) * slots * dim,
-                      vp + (b * kv_heads + kv) * slots * dim, mp ? mp + b * length : nullptr, length, dim, group,
+      const Rows<T> k_rows{kp + b * keys.stride(0) + kv * keys.stride(1), keys.stride(2)};
+      const Rows<T> v_rows{vp + b * values.stride(0) + kv * values.stride(1), values.stride(2)};
+      attend_group<T>(qp + (b * heads + head0) * dim, k_rows, v_rows, mp ? mp + b * length : nullptr, length, dim, group,
                       static_cast<float>(scale), qf.data(), scores.data(), acc.data(), op + (b * heads + head0) * dim);
     }
   });
@@ -409,12 +418,14 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& keys, const torch::
 
 }  // namespace
 
-// One query per sequence: q [B, H, D]; keys / values [B, H_kv, S, D] (a static cache, S slots) of which the
+// One query per sequence: q [B, H, D]; keys / values [B, H_kv, S, D] (a static cache, S slots, or a view of a
+// gathered paged context: any strides over B, H_kv and S, rows of D contiguous) of which the
 // first `length` are read; mask [B, length] float32, added to the scores (or None). Returns [B, H, D].
 torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                          const c10::optional<torch::Tensor>& mask, int64_t length, double scale) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes() && q.is_contiguous() &&
-              keys.is_contiguous() && values.is_contiguous(), "attend_one: contiguous q [B, H, D], cache [B, Hkv, S, D]");
+              keys.stride(3) == 1 && values.stride(3) == 1, "attend_one: contiguous q [B, H, D]; cache [B, Hkv, S, D] "
+              "with contiguous rows (any strides over batch, heads and positions)");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type() &&
               (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat32), "attend_one: bf16 or float32");
   TORCH_CHECK(q.size(0) == keys.size(0) && q.size(2) == keys.size(3) && q.size(1) % keys.size(1) == 0 &&

@@ -30,10 +30,11 @@ IMPLS = ("sdpa", "native")
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, mask: Optional[torch.Tensor],
            scale: float) -> torch.Tensor:
-    """q [B, H, 1, D] over the first `length` slots of keys / values [B, H_kv, S, D]; mask: additive
-    [B, 1, 1, length] in q's dtype, or None. Returns [B, H, 1, D]."""
-    if impl(q.dtype) == "native" and q.dtype == keys.dtype == values.dtype and keys.is_contiguous() \
-            and values.is_contiguous():
+    """q [B, H, 1, D] over the first `length` slots of keys / values [B, H_kv, S, D] (a static cache, or a view
+    of a gathered paged context: rows of D contiguous); mask: additive [B, 1, 1, length] in q's dtype, or None.
+    Returns [B, H, 1, D]."""
+    if impl(q.dtype) == "native" and q.dtype == keys.dtype == values.dtype and keys.stride(-1) == 1 \
+            and values.stride(-1) == 1:
         b, h, _, d = q.shape
         flat = None if mask is None else mask[:, 0, 0].float().contiguous()
         return native.module().attend_one(q.reshape(b, h, d).contiguous(), keys, values, flat, length,
