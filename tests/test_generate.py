@@ -188,7 +188,7 @@ def _lean_logits(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("way", ["torch", "native"])
 def test_lean_rms_norm_computes_the_modules_norm(dtype, way, monkeypatch):
-    """torch's path bit-identical to the module; the native kernel (another summation order) within the last bit."""
+    """torch's path bit-identical to the module; the native kernel (another summation order) within a few ulps."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from quantkit.kernels import native
@@ -200,7 +200,7 @@ def test_lean_rms_norm_computes_the_modules_norm(dtype, way, monkeypatch):
     g = torch.Generator().manual_seed(0)
     norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
     norm.weight.data = (torch.randn(576, generator=g) * 0.5 + 1).to(dtype)
-    ulp = torch.finfo(dtype).eps
+    ulp = torch.finfo(dtype).eps * (2 if dtype == torch.bfloat16 else 4)  # see test_native_kernels
     for scale in (1e-3, 1.0, 30.0):
         x = (torch.randn(3, 1, 576, generator=g) * scale).to(dtype)
         got, want = lean_decode._rms_norm(x, norm), norm(x)

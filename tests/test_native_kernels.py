@@ -78,9 +78,28 @@ def test_the_other_builds_compute_the_same(tmp_path, arch, int4):
         pytest.skip("this CPU cannot run an AVX-512 build")
     mod = native.build(("-O3", f"-march={arch}"), tmp_path)
     _check_gemv(mod.gemv_bf16)
+    _check_attention_and_norm(mod)
     assert mod.int4_available(64) is int4 and mod.int4_available(32)
     if cpu_int4.native_reason() is None and mod.int4_available(cpu_int4.layout_rows()):
         _check_int4(mod.int4_gemv, 192, 576, 64, False)
+
+
+def _check_attention_and_norm(mod) -> None:
+    from quantkit.runtime import row_norm
+
+    q, keys, values, mask, reference = _attention_case(torch.bfloat16)
+    b, h, _, d = q.shape
+    out = mod.attend_one(q.reshape(b, h, d).contiguous(), keys, values, mask[:, 0, 0].float().contiguous(),
+                         mask.shape[-1], d ** -0.5)
+    assert (out.double().view_as(reference) - reference).abs().max() <= 2.0 ** -7 * reference.abs().max()
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        x, w = torch.randn(3, 577, generator=g).to(dtype), torch.randn(577, generator=g).to(dtype)
+        want = row_norm.reference(x, w, 1e-5).double()
+        got = mod.rms_norm(x, w, 1e-5).double()
+        # another order of summing the squares: r a float32 ulp apart, then one or two roundings of x * r and w * it
+        ulps = 2 if dtype == torch.bfloat16 else 4
+        assert ((got - want).abs() <= ulps * torch.finfo(dtype).eps * want.abs()).all()
 
 
 def _dequantized(w: cpu_int4.Int4PackedCPU, codes: torch.Tensor) -> torch.Tensor:

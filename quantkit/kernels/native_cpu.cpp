@@ -319,6 +319,17 @@ inline float widen<uint16_t>(uint16_t v) { return bf16_to_float(v); }
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
 #endif
 
 // dot(qf, k) over dim values, qf already float32
@@ -330,6 +341,10 @@ inline float dot_row(const float* qf, const T* k, int64_t dim) {
   __m512 acc = _mm512_setzero_ps();
   for (; d + 16 <= dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16(k + d), acc);
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; d + 8 <= dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + d), load8(k + d), acc);
+  sum = sum8(acc);
 #endif
   for (; d < dim; ++d) sum += qf[d] * widen<T>(k[d]);
   return sum;
@@ -342,6 +357,9 @@ inline void add_row(float* acc, float p, const T* v, int64_t dim) {
 #if defined(__AVX512F__)
   const __m512 pv = _mm512_set1_ps(p);
   for (; d + 16 <= dim; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(acc + d)));
 #endif
   for (; d < dim; ++d) acc[d] += p * widen<T>(v[d]);
 }
@@ -455,6 +473,13 @@ float sum_squares(const T* x, int64_t n) {
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load8(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  sum = sum8(acc);
 #endif
   for (; i < n; ++i) sum += widen<T>(x[i]) * widen<T>(x[i]);
   return sum;

@@ -4,8 +4,8 @@ measured faster here for the dtype (cached per machine and native build).
 
 Both compute the module's formula (normalize in float32; a 16-bit input is rounded back before the weight
 multiplies it in its dtype; float32 multiplies the weight in float32). torch's path is bit-identical to the
-module; the native kernel sums the squares in another order, so a float32 output may differ from it in the
-last bit (bf16: equal on tests/test_generate.py's inputs). On a 2-core AMD EPYC with avx512_bf16 one
+module; the native kernel sums the squares in another order, so an output may differ from it in the last
+bits (bf16: equal on tests/test_generate.py's inputs). On a 2-core AMD EPYC with avx512_bf16 one
 576-wide bf16 row took 19.3 us through torch and 2.9 us natively (SmolLM2: 61 norms a token).
 """
 
