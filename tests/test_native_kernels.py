@@ -102,6 +102,20 @@ def _check_attention_and_norm(mod) -> None:
         assert ((got - want).abs() <= ulps * torch.finfo(dtype).eps * want.abs()).all()
 
 
+def _count_calls(monkeypatch, kernel: str) -> list:
+    """Make `native.module()` the real kernels with calls of `kernel` counted (one entry per call, returned)."""
+    calls, real = [], native.module()
+
+    class Spy:
+        def __getattr__(self, name):
+            if name != kernel:
+                return getattr(real, name)
+            return lambda *args: calls.append(1) or getattr(real, name)(*args)
+
+    monkeypatch.setattr(native, "module", Spy)
+    return calls
+
+
 def _dequantized(w: cpu_int4.Int4PackedCPU, codes: torch.Tensor) -> torch.Tensor:
     """The weight the op's tables describe: (u - 8) * scale + zero, with the bf16 scales and zeros it reads."""
     sz = w.scale_zeros.double()
@@ -143,17 +157,7 @@ def test_a_module_planned_native_runs_one_token_there_and_longer_inputs_on_the_o
                                              dtype=torch.int64).to(torch.int32))
     module.weight_scale.copy_(torch.rand(module.weight_scale.shape, generator=g) * 0.05)
     module.kernel_request, module.one_token = "cpu", "native"
-    calls, real = [], native.module()
-
-    class Spy:  # the real kernels, int4_gemv's calls counted
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def int4_gemv(self, *args):
-            calls.append(1)
-            return real.int4_gemv(*args)
-
-    monkeypatch.setattr(cpu_int4.native, "module", Spy)
+    calls = _count_calls(monkeypatch, "int4_gemv")
     x = torch.randn(1, 1, 128, generator=g).to(torch.bfloat16)
     y = module(x)
     assert bool(calls) is runs_native  # 80 rows: not whole blocks of 64, the op runs
@@ -196,18 +200,7 @@ def test_the_decode_step_attends_by_the_measured_choice(monkeypatch, choice):
     from quantkit.runtime import one_query
 
     monkeypatch.setattr(one_query, "impl", lambda dtype: choice)
-    calls = []
-    real = native.module()
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def attend_one(self, *args):
-            calls.append(1)
-            return real.attend_one(*args)
-
-    monkeypatch.setattr(one_query.native, "module", Spy)
+    calls = _count_calls(monkeypatch, "attend_one")
     q, keys, values, mask, reference = _attention_case(torch.bfloat16)
     out = one_query.attend(q, keys, values, mask.shape[-1], mask, q.shape[-1] ** -0.5)
     assert bool(calls) is (choice == "native") and out.shape == q.shape
