@@ -210,14 +210,28 @@ def test_lean_rms_norm_computes_the_modules_norm(dtype, way, monkeypatch):
             assert got.dtype == dtype and ((got.double() - want.double()).abs() <= ulp * want.double().abs()).all()
 
 
+@pytest.mark.parametrize("way", ["sdpa", "native"])
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen3", torch.float32), ("llama", torch.bfloat16)])
-def test_lean_decode_step_matches_transformers_forward(tiny_models, tokenizer, arch, dtype):
+def test_lean_decode_step_matches_transformers_forward(tiny_models, tokenizer, arch, dtype, way, monkeypatch):
     """The lean step (fused q/k/v and gate/up, fused RMSNorm, GEMVs) against transformers' own
-    full forward of the same sequence: equal to float32 rounding, and to bf16 rounding in bf16."""
+    full forward of the same sequence: equal to float32 rounding, and to bf16 rounding in bf16. Attention by
+    SDPA, or natively (llama's fused q/k/v: RoPE, the cache write and attention in one native call)."""
+    from quantkit.kernels import native
+    from quantkit.runtime import one_query
+
+    if way == "native" and native.module() is None:
+        pytest.skip(f"native kernels not built: {native.reason()}")
+    monkeypatch.setattr(one_query, "impl", lambda d: way)
+    fused_calls = []
+    if way == "native":
+        from test_native_kernels import _count_calls
+
+        fused_calls = _count_calls(monkeypatch, "rope_store_attend")
     model = quantkit.load(tiny_models[arch], dtype=dtype)
     assert lean_decode.supports(model)
     ids = sample_ids(tokenizer, 1, 14)
     ours = _lean_logits(model, ids, 6).float()
+    assert bool(fused_calls) is (way == "native" and arch == "llama")  # qwen3's per-head norms: torch ops
     fused = model.quantkit_runtime.fused
     assert all(f is not None for f in fused.qkv + fused.gate_up)  # the fused path ran
     ref = model(ids).logits[:, -6:].float()
@@ -334,7 +348,15 @@ def test_lean_int4_linears_run_the_op_directly_in_bf16_with_the_modules_results(
     assert y.dtype == torch.float32 and torch.equal(y, down(x))
 
 
-def test_batch_of_different_lengths_equals_single_requests(tiny_llama, tokenizer):
+@pytest.mark.parametrize("way", ["sdpa", "native"])
+def test_batch_of_different_lengths_equals_single_requests(tiny_llama, tokenizer, way, monkeypatch):
+    """Padded rows (a mask) and single requests agree, with attention by SDPA or the native kernels."""
+    from quantkit.kernels import native
+    from quantkit.runtime import one_query
+
+    if way == "native" and native.module() is None:
+        pytest.skip(f"native kernels not built: {native.reason()}")
+    monkeypatch.setattr(one_query, "impl", lambda d: way)
     model = quantkit.load(tiny_llama, dtype=torch.float32)
     prompts = [sample_ids(tokenizer, 1, n)[0].tolist() for n in (5, 12, 9)]
     greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)

@@ -524,7 +524,96 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
+namespace {
+
+// x * cos + rotate_half(x) * sin over one head of `dim` values, in T's arithmetic (bf16: each product and the sum
+// rounded, as torch computes x * cos + x.roll(dim / 2) * signed_sin); signed_sin: sin with its first half negated
+template <typename T>
+void rope_head(const T* x, const T* cos, const T* signed_sin, int64_t dim, T* out) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) {
+    const T rolled = x[(i + half) % dim];
+    if constexpr (std::is_same<T, float>::value) {
+      out[i] = x[i] * cos[i] + rolled * signed_sin[i];
+    } else {
+      const float a = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * bf16_to_float(cos[i])));
+      const float b = bf16_to_float(float_to_bf16(bf16_to_float(rolled) * bf16_to_float(signed_sin[i])));
+      out[i] = float_to_bf16(a + b);
+    }
+  }
+}
+
+template <typename T>
+void rope_store_attend_all(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                           torch::Tensor& keys, torch::Tensor& values, int64_t slot,
+                           const c10::optional<torch::Tensor>& mask, double scale, int64_t heads, torch::Tensor& out) {
+  const int64_t batch = qkv.size(0), kv_heads = keys.size(1), dim = keys.size(3), group = heads / kv_heads;
+  const int64_t width = qkv.size(1), length = slot + 1;
+  const T* y = reinterpret_cast<const T*>(qkv.data_ptr());
+  const T* c = reinterpret_cast<const T*>(cos.data_ptr());
+  const T* ss = reinterpret_cast<const T*>(signed_sin.data_ptr());
+  T* kp = reinterpret_cast<T*>(keys.data_ptr());
+  T* vp = reinterpret_cast<T*>(values.data_ptr());
+  std::vector<T> q(batch * heads * dim);
+  for (int64_t b = 0; b < batch; ++b) {  // RoPE on q and k; k and v written into the cache at `slot`
+    const T* row = y + b * width;
+    for (int64_t h = 0; h < heads; ++h) rope_head<T>(row + h * dim, c + b * dim, ss + b * dim, dim, &q[(b * heads + h) * dim]);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      T* kt = kp + b * keys.stride(0) + h * keys.stride(1) + slot * keys.stride(2);
+      T* vt = vp + b * values.stride(0) + h * values.stride(1) + slot * values.stride(2);
+      rope_head<T>(row + (heads + h) * dim, c + b * dim, ss + b * dim, dim, kt);
+      std::memcpy(vt, row + (heads + kv_heads + h) * dim, dim * sizeof(T));
+    }
+  }
+  const float* mp = mask ? mask->data_ptr<float>() : nullptr;
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), scores(group * length), acc(group * dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv_heads, kv = i % kv_heads, head0 = kv * group;
+      const Rows<T> k_rows{kp + b * keys.stride(0) + kv * keys.stride(1), keys.stride(2)};
+      const Rows<T> v_rows{vp + b * values.stride(0) + kv * values.stride(1), values.stride(2)};
+      attend_group<T>(&q[(b * heads + head0) * dim], k_rows, v_rows, mp ? mp + b * length : nullptr, length, dim,
+                      group, static_cast<float>(scale), qf.data(), scores.data(), acc.data(),
+                      op + (b * heads + head0) * dim);
+    }
+  });
+}
+
+}  // namespace
+
+// One decode step's attention for a llama-family layer from its fused q/k/v output qkv [B, (H + 2 H_kv) D]:
+// RoPE (cos, signed_sin [B, D]) on the q and k heads, k and v written into the static cache at `slot`, the
+// queries attending to slots 0..slot (mask [B, slot + 1] float32 added, or None). Returns [B, H D].
+torch::Tensor rope_store_attend(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                                torch::Tensor keys, torch::Tensor values, int64_t slot,
+                                const c10::optional<torch::Tensor>& mask, double scale, int64_t heads) {
+  const auto dtype = qkv.scalar_type();
+  TORCH_CHECK((dtype == torch::kBFloat16 || dtype == torch::kFloat32) && cos.scalar_type() == dtype &&
+              signed_sin.scalar_type() == dtype && keys.scalar_type() == dtype && values.scalar_type() == dtype,
+              "rope_store_attend: one dtype, bf16 or float32");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && cos.is_contiguous() && signed_sin.is_contiguous() &&
+              keys.dim() == 4 && values.sizes() == keys.sizes() && keys.stride(3) == 1 && values.stride(3) == 1,
+              "rope_store_attend: contiguous qkv [B, W], cos / sin [B, D]; cache [B, Hkv, S, D]");
+  const int64_t dim = keys.size(3), kv_heads = keys.size(1);
+  TORCH_CHECK(dim % 2 == 0 && heads % kv_heads == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim &&
+              cos.size(0) == qkv.size(0) && cos.size(1) == dim && keys.size(0) == qkv.size(0) && slot >= 0 &&
+              slot < keys.size(2), "rope_store_attend: shapes of qkv, cos and the cache disagree");
+  TORCH_CHECK(!mask || (mask->scalar_type() == torch::kFloat32 && mask->is_contiguous() &&
+              mask->size(0) == qkv.size(0) && mask->size(1) == slot + 1), "rope_store_attend: mask [B, slot + 1] float32");
+  auto out = torch::empty({qkv.size(0), heads * dim}, qkv.options());
+  if (dtype == torch::kFloat32) {
+    rope_store_attend_all<float>(qkv, cos, signed_sin, keys, values, slot, mask, scale, heads, out);
+  } else {
+    rope_store_attend_all<uint16_t>(qkv, cos, signed_sin, keys, values, slot, mask, scale, heads, out);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_store_attend", &rope_store_attend, "RoPE, cache write and one-query attention of a decode step",
+        py::arg("qkv"), py::arg("cos"), py::arg("signed_sin"), py::arg("keys"), py::arg("values"), py::arg("slot"),
+        py::arg("mask"), py::arg("scale"), py::arg("heads"));
   m.def("rms_norm", &rms_norm, "the llama-family RMSNorm over rows", py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("attend_one", &attend_one, "one query's attention per sequence over a static KV cache",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("length"), py::arg("scale"));

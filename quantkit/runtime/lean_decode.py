@@ -366,6 +366,50 @@ class LeanDecoder:
                 h = h + p.mlp(x)
         return _rms_norm(h, self.inner.norm)[0]
 
+    def _fused_inputs(self, dtype: torch.dtype, cos: torch.Tensor, signed_sin: torch.Tensor,
+                      attend: Optional[torch.Tensor]) -> Optional[tuple]:
+        """(cos, signed_sin [B, D], float32 mask [B, slot + 1] or None) for the native RoPE + cache write +
+        attention of fused q/k/v layers, or None where that does not run: the one-query probe chose SDPA
+        for `dtype`, an FP8 cache, or a cache in another dtype."""
+        store = self.cache.layers[0]
+        if self.fp8_scales is not None or one_query.impl(dtype) != "native" or store.keys.dtype != dtype \
+                or cos.dtype != dtype or store.keys.stride(-1) != 1 or store.values.stride(-1) != 1:
+            return None
+        b = cos.shape[0]
+        return (cos.reshape(b, -1).contiguous(), signed_sin.reshape(b, -1).contiguous(),
+                None if attend is None else attend[:, 0, 0].float().contiguous())
+
+    def _attention(self, i: int, p: _LayerPlan, x: torch.Tensor, slot: int, cos: torch.Tensor, sin: torch.Tensor,
+                   attend: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Layer i's q/k/v, norms, RoPE, cache write and attention by torch ops: [B, 1, H, D]."""
+        b, d, heads = x.shape[0], self.head_dim, self.heads
+        # an int4 output may come in bf16 (see `_Int4`): RoPE and the cache write promote it to
+        # the compute dtype exactly; the per-head norms and FP8 fake quantization get it cast first
+        if p.qkv is not None:
+            lin, sizes = p.qkv
+            y = _run(lin, x)
+            if p.q_norm is None:  # RoPE once over the q and k heads side by side
+                qk = y[..., : sizes[0] + sizes[1]].view(b, 1, -1, d).transpose(1, 2)
+                q, k = _rope(qk, cos, sin).split([heads, sizes[1] // d], dim=1)
+                v = y[..., sizes[0] + sizes[1]:].view(b, 1, -1, d).transpose(1, 2)
+            else:
+                q, k, v = y.to(dtype).split(sizes, dim=-1)
+        else:
+            q, k, v = (_run(lin, x).to(dtype) for lin in (p.q, p.k, p.v))
+        if p.qkv is None or p.q_norm is not None:
+            q, k = q.view(b, 1, -1, d), k.view(b, 1, -1, d)
+            v = v.view(b, 1, -1, d).transpose(1, 2)
+            if p.q_norm is not None:  # qwen3: per-head norms before RoPE
+                q, k = _rms_norm(q, p.q_norm), _rms_norm(k, p.k_norm)
+            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+        if self.fp8_scales is not None:
+            ks, vs = self.fp8_scales[i]
+            k, v = fake_quantize(k, head_view(ks)), fake_quantize(v.to(dtype), head_view(vs))
+        store = self.cache.layers[i]
+        store.keys[:, :, slot] = k[:, :, 0]
+        store.values[:, :, slot] = v[:, :, 0]
+        return one_query.attend(q, store.keys, store.values, slot + 1, attend, self.scaling).transpose(1, 2)
+
     @torch.no_grad()
     def step(self, ids: torch.Tensor, slot: int, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """ids [B, 1] at cache slot `slot`; positions [B, 1]; mask [B, slot + 1] (1 = attend).
@@ -373,39 +417,20 @@ class LeanDecoder:
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, positions)  # [B, 1, head_dim]
         cos, sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
-        b, d, heads = ids.shape[0], self.head_dim, self.heads
+        b, heads = ids.shape[0], self.heads
         # no padding (e.g. one prompt): no mask at all; else one additive mask for every layer
         attend = None if bool(mask.all()) else \
             torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(mask == 0, float("-inf"))[:, None, None]
+        fused = self._fused_inputs(h.dtype, cos, sin, attend)
         for i, p in enumerate(self.plans):
             x = _rms_norm(h, p.ln1)
-            # an int4 output may come in bf16 (see `_Int4`): RoPE and the cache write promote it to
-            # h's dtype exactly; the per-head norms and FP8 fake quantization get it cast first
-            if p.qkv is not None:
-                lin, sizes = p.qkv
-                y = _run(lin, x)
-                if p.q_norm is None:  # RoPE once over the q and k heads side by side
-                    qk = y[..., : sizes[0] + sizes[1]].view(b, 1, -1, d).transpose(1, 2)
-                    q, k = _rope(qk, cos, sin).split([heads, sizes[1] // d], dim=1)
-                    v = y[..., sizes[0] + sizes[1]:].view(b, 1, -1, d).transpose(1, 2)
-                else:
-                    q, k, v = y.to(h.dtype).split(sizes, dim=-1)
+            if fused is not None and p.qkv is not None and p.q_norm is None:
+                store = self.cache.layers[i]
+                o = native.module().rope_store_attend(_run(p.qkv[0], x).to(h.dtype).reshape(b, -1), *fused[:2],
+                                                      store.keys, store.values, slot, fused[2], self.scaling, heads)
             else:
-                q, k, v = (_run(lin, x).to(h.dtype) for lin in (p.q, p.k, p.v))
-            if p.qkv is None or p.q_norm is not None:
-                q, k = q.view(b, 1, -1, d), k.view(b, 1, -1, d)
-                v = v.view(b, 1, -1, d).transpose(1, 2)
-                if p.q_norm is not None:  # qwen3: per-head norms before RoPE
-                    q, k = _rms_norm(q, p.q_norm), _rms_norm(k, p.k_norm)
-                q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
-            if self.fp8_scales is not None:
-                ks, vs = self.fp8_scales[i]
-                k, v = fake_quantize(k, head_view(ks)), fake_quantize(v.to(h.dtype), head_view(vs))
-            store = self.cache.layers[i]
-            store.keys[:, :, slot] = k[:, :, 0]
-            store.values[:, :, slot] = v[:, :, 0]
-            o = one_query.attend(q, store.keys, store.values, slot + 1, attend, self.scaling)
-            h = h + _run(p.o, o.transpose(1, 2).reshape(b, 1, -1))
+                o = self._attention(i, p, x, slot, cos, sin, attend, h.dtype)
+            h = h + _run(p.o, o.reshape(b, 1, -1))
             x = _rms_norm(h, p.ln2)
             if p.gate_up is not None:
                 lin, sizes = p.gate_up
