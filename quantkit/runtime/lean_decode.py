@@ -10,7 +10,8 @@ applied once over the q and k heads side by side (a roll instead of rotate_half'
 same values); keys/values are written into the
 preallocated StaticCache the prefill filled, and attention reads only the filled part (torch's SDPA or the
 native one-query kernel, whichever is faster here: `one_query`), with an additive padding mask only when a
-row is padded. Plain q/k/v and gate/up projections of one
+row is padded. Where the native attention was chosen, a layer with fused q/k/v runs RoPE, the cache write
+and the attention in one native call (`kernels.native`: rope_store_attend). Plain q/k/v and gate/up projections of one
 dtype are fused (one GEMV each instead of three and two): their weights are re-stored as views
 into one concatenated tensor, so nothing is duplicated and the modules keep working as before.
 Logits are tested against transformers' forward, and greedy outputs equal to transformers'.
