@@ -104,7 +104,8 @@ def main() -> None:
         sys.exit(f"native kernels not built: {native.reason()}")
     print(f"native build {native.build_id()} ({' '.join(native.flags())}); int4 layout rows: {cpu_int4.layout_rows()}, "
           f"native int4: {cpu_int4.native_reason() or 'yes'}")
-    table = ["| kernel (torch's way) | shape | torch us | native us | native speed-up |", "| --- | --- | --- | --- | --- |"]
+    table = ["| kernel (torch's way) | shape | torch us | native us | native speed-up |",
+             "| --- | --- | --- | --- | --- |"]
     gemv_rows(table, args.reps, args.cold)
     if cpu_int4.native_reason() is None:
         int4_rows(table, args.reps, args.cold)

@@ -119,6 +119,7 @@ bool int4_available(int64_t block_rows) {
 
 namespace {
 constexpr int64_t kPrefetch = 1024;  // bytes ahead of the columns being read
+constexpr int kHighHalf = static_cast<int>(0xffff0000u);  // a scale / zero word's zero: its high 16 bits
 
 #if defined(__AVX2__) && defined(__FMA__)
 // One block of 32 rows of the op's AVX2 layout (for each column, 16 bytes: byte j holds row j's code in its low
@@ -146,7 +147,7 @@ void int4_block32(const uint8_t* packed, const uint32_t* sz, const float* x, con
     for (int q = 0; q < 4; ++q) {
       const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_sz + 8 * q));
       const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(kHighHalf)));
       y[q] = _mm256_fmadd_ps(scale, acc[q], y[q]);
       y[q] = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale, zero), sx, y[q]);
     }
@@ -187,7 +188,7 @@ void int4_block(const uint8_t* packed, const uint32_t* sz, const float* x, const
     for (int q = 0; q < 4; ++q) {
       const __m512i words = _mm512_loadu_si512(row_sz + 16 * q);
       const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(kHighHalf)));
       y[q] = _mm512_fmadd_ps(scale, acc[q], y[q]);
       y[q] = _mm512_fmadd_ps(_mm512_fnmadd_ps(eight, scale, zero), sx, y[q]);
     }
@@ -239,7 +240,7 @@ void int4_block_bf16(const uint8_t* packed, const uint32_t* sz, const uint32_t* 
     for (int q = 0; q < 4; ++q) {
       const __m512i words = _mm512_loadu_si512(row_sz + 16 * q);
       const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(kHighHalf)));
       y[q] = _mm512_fmadd_ps(scale, acc[q], y[q]);
       y[q] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(136.f), scale, zero), sx, y[q]);
     }
@@ -289,7 +290,8 @@ torch::Tensor int4_gemv(const torch::Tensor& packed, const torch::Tensor& scale_
     xf[c] = bf16_to_float(xb[c]);
     xsum[c / group] += xf[c];
   }
-  for (int64_t c = 0; c + 1 < k; c += 2) xpairs[c / 2] = static_cast<uint32_t>(xb[c]) | (static_cast<uint32_t>(xb[c + 1]) << 16);
+  for (int64_t c = 0; c + 1 < k; c += 2)
+    xpairs[c / 2] = static_cast<uint32_t>(xb[c]) | (static_cast<uint32_t>(xb[c + 1]) << 16);
   auto y = torch::empty({out_features}, x.options());
   auto* out = reinterpret_cast<uint16_t*>(y.data_ptr());
   const auto* p = packed.data_ptr<uint8_t>();
@@ -356,7 +358,8 @@ inline void add_row(float* acc, float p, const T* v, int64_t dim) {
   int64_t d = 0;
 #if defined(__AVX512F__)
   const __m512 pv = _mm512_set1_ps(p);
-  for (; d + 16 <= dim; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+  for (; d + 16 <= dim; d += 16)
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
 #elif defined(__AVX2__) && defined(__FMA__)
   const __m256 pv = _mm256_set1_ps(p);
   for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(acc + d)));
@@ -411,27 +414,30 @@ void attend_group(const T* q, Rows<T> keys, Rows<T> values, const float* mask, i
   }
 }
 
+// Every (sequence, kv head) pair over torch's threads: q [B, H, D] contiguous, out [B, H, D].
 template <typename T>
-void attend_all(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                const c10::optional<torch::Tensor>& mask, int64_t length, double scale, torch::Tensor& out) {
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = keys.size(1), group = heads / kv_heads;
-  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+void attend_parallel(const T* q, const torch::Tensor& keys, const torch::Tensor& values, const float* mask,
+                     int64_t length, float scale, int64_t batch, int64_t heads, T* out) {
+  const int64_t kv_heads = keys.size(1), dim = keys.size(3), group = heads / kv_heads;
   const T* kp = reinterpret_cast<const T*>(keys.data_ptr());
   const T* vp = reinterpret_cast<const T*>(values.data_ptr());
-  const float* mp = mask ? mask->data_ptr<float>() : nullptr;
-  T* op = reinterpret_cast<T*>(out.data_ptr());
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), scores(group * length), acc(group * dim);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / kv_heads, kv = i % kv_heads;
-      const int64_t head0 = kv * group;
+      const int64_t b = i / kv_heads, kv = i % kv_heads, head0 = kv * group;
       const Rows<T> k_rows{kp + b * keys.stride(0) + kv * keys.stride(1), keys.stride(2)};
       const Rows<T> v_rows{vp + b * values.stride(0) + kv * values.stride(1), values.stride(2)};
-      attend_group<T>(qp + (b * heads + head0) * dim, k_rows, v_rows, mp ? mp + b * length : nullptr, length, dim, group,
-                      static_cast<float>(scale), qf.data(), scores.data(), acc.data(), op + (b * heads + head0) * dim);
+      attend_group<T>(q + (b * heads + head0) * dim, k_rows, v_rows, mask ? mask + b * length : nullptr, length,
+                      dim, group, scale, qf.data(), scores.data(), acc.data(), out + (b * heads + head0) * dim);
     }
   });
+}
+
+template <typename T>
+void attend_all(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                const c10::optional<torch::Tensor>& mask, int64_t length, double scale, torch::Tensor& out) {
+  attend_parallel<T>(reinterpret_cast<const T*>(q.data_ptr()), keys, values, mask ? mask->data_ptr<float>() : nullptr,
+                     length, static_cast<float>(scale), q.size(0), q.size(1), reinterpret_cast<T*>(out.data_ptr()));
 }
 
 }  // namespace
@@ -445,7 +451,8 @@ torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, cons
               keys.stride(3) == 1 && values.stride(3) == 1, "attend_one: contiguous q [B, H, D]; cache [B, Hkv, S, D] "
               "with contiguous rows (any strides over batch, heads and positions)");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type() &&
-              (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat32), "attend_one: bf16 or float32");
+              (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat32),
+              "attend_one: bf16 or float32");
   TORCH_CHECK(q.size(0) == keys.size(0) && q.size(2) == keys.size(3) && q.size(1) % keys.size(1) == 0 &&
               length >= 1 && length <= keys.size(2), "attend_one: shapes of q and the cache disagree");
   TORCH_CHECK(!mask || (mask->scalar_type() == torch::kFloat32 && mask->is_contiguous() && mask->dim() == 2 &&
@@ -547,7 +554,7 @@ template <typename T>
 void rope_store_attend_all(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& signed_sin,
                            torch::Tensor& keys, torch::Tensor& values, int64_t slot,
                            const c10::optional<torch::Tensor>& mask, double scale, int64_t heads, torch::Tensor& out) {
-  const int64_t batch = qkv.size(0), kv_heads = keys.size(1), dim = keys.size(3), group = heads / kv_heads;
+  const int64_t batch = qkv.size(0), kv_heads = keys.size(1), dim = keys.size(3);
   const int64_t width = qkv.size(1), length = slot + 1;
   const T* y = reinterpret_cast<const T*>(qkv.data_ptr());
   const T* c = reinterpret_cast<const T*>(cos.data_ptr());
@@ -557,7 +564,8 @@ void rope_store_attend_all(const torch::Tensor& qkv, const torch::Tensor& cos, c
   std::vector<T> q(batch * heads * dim);
   for (int64_t b = 0; b < batch; ++b) {  // RoPE on q and k; k and v written into the cache at `slot`
     const T* row = y + b * width;
-    for (int64_t h = 0; h < heads; ++h) rope_head<T>(row + h * dim, c + b * dim, ss + b * dim, dim, &q[(b * heads + h) * dim]);
+    for (int64_t h = 0; h < heads; ++h)
+      rope_head<T>(row + h * dim, c + b * dim, ss + b * dim, dim, &q[(b * heads + h) * dim]);
     for (int64_t h = 0; h < kv_heads; ++h) {
       T* kt = kp + b * keys.stride(0) + h * keys.stride(1) + slot * keys.stride(2);
       T* vt = vp + b * values.stride(0) + h * values.stride(1) + slot * values.stride(2);
@@ -565,19 +573,8 @@ void rope_store_attend_all(const torch::Tensor& qkv, const torch::Tensor& cos, c
       std::memcpy(vt, row + (heads + kv_heads + h) * dim, dim * sizeof(T));
     }
   }
-  const float* mp = mask ? mask->data_ptr<float>() : nullptr;
-  T* op = reinterpret_cast<T*>(out.data_ptr());
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), scores(group * length), acc(group * dim);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / kv_heads, kv = i % kv_heads, head0 = kv * group;
-      const Rows<T> k_rows{kp + b * keys.stride(0) + kv * keys.stride(1), keys.stride(2)};
-      const Rows<T> v_rows{vp + b * values.stride(0) + kv * values.stride(1), values.stride(2)};
-      attend_group<T>(&q[(b * heads + head0) * dim], k_rows, v_rows, mp ? mp + b * length : nullptr, length, dim,
-                      group, static_cast<float>(scale), qf.data(), scores.data(), acc.data(),
-                      op + (b * heads + head0) * dim);
-    }
-  });
+  attend_parallel<T>(q.data(), keys, values, mask ? mask->data_ptr<float>() : nullptr, length,
+                     static_cast<float>(scale), batch, heads, reinterpret_cast<T*>(out.data_ptr()));
 }
 
 }  // namespace
@@ -600,7 +597,8 @@ torch::Tensor rope_store_attend(const torch::Tensor& qkv, const torch::Tensor& c
               cos.size(0) == qkv.size(0) && cos.size(1) == dim && keys.size(0) == qkv.size(0) && slot >= 0 &&
               slot < keys.size(2), "rope_store_attend: shapes of qkv, cos and the cache disagree");
   TORCH_CHECK(!mask || (mask->scalar_type() == torch::kFloat32 && mask->is_contiguous() &&
-              mask->size(0) == qkv.size(0) && mask->size(1) == slot + 1), "rope_store_attend: mask [B, slot + 1] float32");
+              mask->size(0) == qkv.size(0) && mask->size(1) == slot + 1),
+              "rope_store_attend: mask [B, slot + 1] float32");
   auto out = torch::empty({qkv.size(0), heads * dim}, qkv.options());
   if (dtype == torch::kFloat32) {
     rope_store_attend_all<float>(qkv, cos, signed_sin, keys, values, slot, mask, scale, heads, out);
