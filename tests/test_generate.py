@@ -210,28 +210,30 @@ def test_lean_rms_norm_computes_the_modules_norm(dtype, way, monkeypatch):
             assert got.dtype == dtype and ((got.double() - want.double()).abs() <= ulp * want.double().abs()).all()
 
 
-@pytest.mark.parametrize("way", ["sdpa", "native"])
+@pytest.mark.parametrize("way", ["sdpa", "native", "stack"])
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen3", torch.float32), ("llama", torch.bfloat16)])
 def test_lean_decode_step_matches_transformers_forward(tiny_models, tokenizer, arch, dtype, way, monkeypatch):
     """The lean step (fused q/k/v and gate/up, fused RMSNorm, GEMVs) against transformers' own
     full forward of the same sequence: equal to float32 rounding, and to bf16 rounding in bf16. Attention by
-    SDPA, or natively (llama's fused q/k/v: RoPE, the cache write and attention in one native call)."""
+    SDPA, or natively (llama's fused q/k/v: RoPE, the cache write and attention in one native call), or every
+    layer in one native call (the decode stack: llama; qwen3's per-head norms keep the Python step)."""
     from quantkit.kernels import native
-    from quantkit.runtime import one_query
+    from quantkit.runtime import decode_stack, one_query
 
-    if way == "native" and native.module() is None:
+    if way != "sdpa" and native.module() is None:
         pytest.skip(f"native kernels not built: {native.reason()}")
-    monkeypatch.setattr(one_query, "impl", lambda d: way)
+    monkeypatch.setattr(one_query, "impl", lambda d: "sdpa" if way == "sdpa" else "native")
+    monkeypatch.setenv(decode_stack.ENV, "1" if way == "stack" else "0")
     fused_calls = []
-    if way == "native":
+    if way != "sdpa":
         from test_native_kernels import _count_calls
 
-        fused_calls = _count_calls(monkeypatch, "rope_store_attend")
+        fused_calls = _count_calls(monkeypatch, "rope_store_attend" if way == "native" else "DecodeStack")
     model = quantkit.load(tiny_models[arch], dtype=dtype)
     assert lean_decode.supports(model)
     ids = sample_ids(tokenizer, 1, 14)
     ours = _lean_logits(model, ids, 6).float()
-    assert bool(fused_calls) is (way == "native" and arch == "llama")  # qwen3's per-head norms: torch ops
+    assert bool(fused_calls) is (way != "sdpa" and arch == "llama")  # qwen3's per-head norms: torch ops
     fused = model.quantkit_runtime.fused
     assert all(f is not None for f in fused.qkv + fused.gate_up)  # the fused path ran
     ref = model(ids).logits[:, -6:].float()

@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 
 ENV = "QUANTKIT_NATIVE"
 ARCH_ENV = "QUANTKIT_NATIVE_ARCH"  # the -march to build for (default native): e.g. haswell imitates an AVX2 CPU
-SOURCE = Path(__file__).with_name("native_cpu.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "native_cpu.cpp", HERE / "native_stack.cpp")  # compiled together into one extension
+HEADERS = (HERE / "native_cpu.h",)
 FLAGS = ("-O3", "-march=native")
 
 
@@ -73,7 +75,8 @@ def _cpu_flags() -> str:
 def build_id(build_flags: Optional[tuple[str, ...]] = None) -> str:
     """This machine's build key for `build_flags` (default `flags()`): probe figures of the native kernels are
     cached under it, so a changed kernel is measured again."""
-    return build_key(SOURCE.read_bytes(), _cpu_flags(), torch.__version__, build_flags or flags())
+    source = b"\0".join(p.read_bytes() for p in SOURCES + HEADERS)
+    return build_key(source, _cpu_flags(), torch.__version__, build_flags or flags())
 
 
 def build(build_flags: Optional[tuple[str, ...]] = None, directory: Optional[Path] = None):
@@ -88,8 +91,8 @@ def build(build_flags: Optional[tuple[str, ...]] = None, directory: Optional[Pat
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob("*.so")):
         print("quantkit: building its CPU kernels for this machine (once, about 30 s) ...", file=sys.stderr)
-    return cpp_extension.load(name=f"quantkit_native_{key}", sources=[str(SOURCE)], extra_cflags=list(build_flags),
-                              build_directory=str(folder), verbose=False)
+    return cpp_extension.load(name=f"quantkit_native_{key}", sources=[str(p) for p in SOURCES],
+                              extra_cflags=list(build_flags), build_directory=str(folder), verbose=False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,7 +11,8 @@
 //             y[n] = sum_g scale[g, n] * sum_{k in g} u[n, k] x[k] + (zero[g, n] - 8 scale[g, n]) * sum_{k in g} x[k].
 // Both split the rows over torch's own threads (at::parallel_for), so no second thread pool competes.
 
-#include <torch/extension.h>
+#include "native_cpu.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -621,4 +622,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_rows"));
   m.def("int4_available", &int4_available, "whether int4_gemv reads blocks of block_rows rows in this build",
         py::arg("block_rows"));
+  bind_decode_stack(m);
 }

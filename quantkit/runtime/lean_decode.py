@@ -11,7 +11,8 @@ same values); keys/values are written into the
 preallocated StaticCache the prefill filled, and attention reads only the filled part (torch's SDPA or the
 native one-query kernel, whichever is faster here: `one_query`), with an additive padding mask only when a
 row is padded. Where the native attention was chosen, a layer with fused q/k/v runs RoPE, the cache write
-and the attention in one native call (`kernels.native`: rope_store_attend). Plain q/k/v and gate/up projections of one
+and the attention in one native call (`kernels.native`: rope_store_attend), and where every layer of a one-sequence
+step can, all the layers run in one native call of the same kernels and ops (`decode_stack`). Plain q/k/v and gate/up projections of one
 dtype are fused (one GEMV each instead of three and two): their weights are re-stored as views
 into one concatenated tensor, so nothing is duplicated and the modules keep working as before.
 Logits are tested against transformers' forward, and greedy outputs equal to transformers'.
@@ -33,7 +34,7 @@ from quantkit.quant.fp8 import fake_quantize
 from quantkit.qmodules.kv import head_view
 from quantkit.qmodules.int_linear import PackedIntLinear
 from quantkit.qmodules import online_rotation
-from quantkit.runtime import one_query, row_norm
+from quantkit.runtime import decode_stack, one_query, row_norm
 from quantkit.runtime.state import runtime_state
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -312,6 +313,7 @@ class LeanDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = self.head_dim ** -0.5
         self.fp8_scales = fp8_scales
+        self._stack, self._stack_for = None, None  # the native DecodeStack and the dtype it was made for
         # fused once per model (and compute dtype / device), kept in its runtime state for every generate
         embed = model.get_input_embeddings().weight
         fused = runtime_state(model).fused_for(embed.device, embed.dtype, lambda: _prepare(model, layers, embed.dtype))
@@ -418,11 +420,30 @@ class LeanDecoder:
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, positions)  # [B, 1, head_dim]
         cos, sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
-        b, heads = ids.shape[0], self.heads
         # no padding (e.g. one prompt): no mask at all; else one additive mask for every layer
         attend = None if bool(mask.all()) else \
             torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(mask == 0, float("-inf"))[:, None, None]
         fused = self._fused_inputs(h.dtype, cos, sin, attend)
+        stack = self._native_stack(h.dtype) if fused is not None and ids.shape[0] == 1 else None
+        if stack is not None:  # every layer in one native call, the same kernels and ops as `_layers`
+            h = stack.step(h.view(1, -1), *fused[:2], slot, fused[2]).view_as(h)
+        else:
+            h = self._layers(h, slot, cos, sin, attend, fused)
+        h = _rms_norm(h, self.inner.norm)
+        return self.logits(h[:, -1])
+
+    def _native_stack(self, dtype: torch.dtype):
+        """The native DecodeStack over this decoder's layers for hidden states of `dtype` (`decode_stack`:
+        made once), or None where some layer needs the Python step."""
+        if self._stack_for != dtype:
+            self._stack = decode_stack.build(self.plans, self.cache, dtype, self.scaling, self.heads)
+            self._stack_for = dtype
+        return self._stack
+
+    def _layers(self, h: torch.Tensor, slot: int, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Optional[torch.Tensor], fused: Optional[tuple]) -> torch.Tensor:
+        """Every decoder layer over h [B, 1, H] by Python-level calls; the last layer's output."""
+        b, heads = h.shape[0], self.heads
         for i, p in enumerate(self.plans):
             x = _rms_norm(h, p.ln1)
             if fused is not None and p.qkv is not None and p.q_norm is None:
@@ -439,5 +460,4 @@ class LeanDecoder:
                 h = h + _run(p.down, p.act(gate.to(h.dtype)) * up)
             else:
                 h = h + p.mlp(x)
-        h = _rms_norm(h, self.inner.norm)
-        return self.logits(h[:, -1])
+        return h
