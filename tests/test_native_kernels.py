@@ -34,7 +34,7 @@ def test_the_build_targets_another_cpu_when_asked(monkeypatch):
     monkeypatch.delenv(native.ARCH_ENV, raising=False)
     assert native.flags() == native.FLAGS
     monkeypatch.setenv(native.ARCH_ENV, "haswell")
-    assert native.flags() == ("-O3", "-march=haswell")
+    assert native.flags() == native.arch_flags("haswell") == ("-O3", "-march=haswell", "-fopenmp")
 
 
 def test_turned_off_by_the_environment(monkeypatch):
@@ -76,7 +76,7 @@ def test_the_other_builds_compute_the_same(tmp_path, arch, int4):
     over the op's AVX2 layout only) and AVX-512 without avx512_bf16 / VBMI (float32 FMAs after widening)."""
     if int4 and not _cpu_has("avx512bw"):
         pytest.skip("this CPU cannot run an AVX-512 build")
-    mod = native.build(("-O3", f"-march={arch}"), tmp_path)
+    mod = native.build(native.arch_flags(arch), tmp_path)
     _check_gemv(mod.gemv_bf16)
     _check_attention_and_norm(mod)
     assert mod.int4_available(64) is int4 and mod.int4_available(32)

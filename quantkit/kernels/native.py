@@ -37,13 +37,22 @@ ARCH_ENV = "QUANTKIT_NATIVE_ARCH"  # the -march to build for (default native): e
 HERE = Path(__file__).parent
 SOURCES = (HERE / "native_cpu.cpp", HERE / "native_stack.cpp")  # compiled together into one extension
 HEADERS = (HERE / "native_cpu.h",)
-FLAGS = ("-O3", "-march=native")
+
+
+def arch_flags(arch: str) -> tuple[str, ...]:
+    """The compiler flags of a build for CPUs of `arch` (a -march value). -fopenmp: torch's at::parallel_for is
+    inline OpenMP (torch's CPU build), so without it every kernel ran on one thread; the extension then links
+    libgomp.so.1, which resolves to the one torch has already loaded (one thread pool)."""
+    return ("-O3", f"-march={arch}", "-fopenmp")
+
+
+FLAGS = arch_flags("native")
 
 
 def flags() -> tuple[str, ...]:
-    """The compiler flags of this process's build: FLAGS, or -march=$QUANTKIT_NATIVE_ARCH."""
+    """The compiler flags of this process's build: FLAGS, or for -march=$QUANTKIT_NATIVE_ARCH."""
     arch = os.environ.get(ARCH_ENV, "").strip()
-    return FLAGS if arch in ("", "native") else ("-O3", f"-march={arch}")
+    return FLAGS if arch in ("", "native") else arch_flags(arch)
 
 
 def disabled() -> bool:
@@ -92,7 +101,8 @@ def build(build_flags: Optional[tuple[str, ...]] = None, directory: Optional[Pat
     if not any(folder.glob("*.so")):
         print("quantkit: building its CPU kernels for this machine (once, about 30 s) ...", file=sys.stderr)
     return cpp_extension.load(name=f"quantkit_native_{key}", sources=[str(p) for p in SOURCES],
-                              extra_cflags=list(build_flags), build_directory=str(folder), verbose=False)
+                              extra_cflags=list(build_flags), extra_ldflags=[f for f in build_flags if f == "-fopenmp"],
+                              build_directory=str(folder), verbose=False)
 
 
 @functools.lru_cache(maxsize=None)

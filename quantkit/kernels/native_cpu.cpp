@@ -204,7 +204,7 @@ void int4_block(const uint8_t* packed, const uint32_t* sz, const float* x, const
 // 128 + u; vdpbf16ps multiplies the pair with (x[c], x[c + 1]) and adds both products: a quarter of the
 // instructions of `int4_block` per weight, no table lookups. The 128 * sum(x) this adds per group is taken
 // back with the zero term: y += scale * acc + (zero - (8 + 128) * scale) * sum_{k in g} x[k].
-void int4_block_bf16(const uint8_t* packed, const uint32_t* sz, const uint32_t* xpairs, const float* xsum,
+void int4_block_bf16(const uint8_t* packed, const uint32_t* sz, const uint16_t* xb, const float* xsum,
                      int64_t k, int64_t group, int64_t n_pad, int64_t block, float* out) {
   __m512 y[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   // lane r of `first`: bytes r and 32 + r (rows r of columns c and c + 1), of `second`: 16 + r and 48 + r
@@ -225,7 +225,9 @@ void int4_block_bf16(const uint8_t* packed, const uint32_t* sz, const uint32_t* 
     for (int64_t c = g * group; c < k_end; c += 2) {
       _mm_prefetch(reinterpret_cast<const char*>(p + c * 32 + kPrefetch), _MM_HINT_T0);
       const __m512i both = _mm512_loadu_si512(p + c * 32);
-      const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(xpairs[c / 2]));
+      int32_t pair;  // (x[c], x[c + 1]) as they lie in memory: the low and high halves of one 32-bit word
+      std::memcpy(&pair, xb + c, 4);
+      const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
       const __m512i a = _mm512_maskz_permutexvar_epi8(keep, first, both);
       const __m512i b = _mm512_maskz_permutexvar_epi8(keep, second, both);
       // (v & nibble) | exponent: ternary-logic table 0xEA
@@ -256,10 +258,10 @@ void int4_block_bf16(const uint8_t* packed, const uint32_t* sz, const uint32_t* 
 namespace {
 
 // One block of `block_rows` rows into rows[], by the best kernel this build has for the layout.
-void int4_rows(int64_t block_rows, const uint8_t* p, const uint32_t* sz, const float* xf, const uint32_t* xpairs,
+void int4_rows(int64_t block_rows, const uint8_t* p, const uint32_t* sz, const float* xf, const uint16_t* xb,
                const float* xsum, int64_t k, int64_t group, int64_t n_pad, int64_t b, float* rows) {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-  if (block_rows == 64 && group % 2 == 0) return int4_block_bf16(p, sz, xpairs, xsum, k, group, n_pad, b, rows);
+  if (block_rows == 64 && group % 2 == 0) return int4_block_bf16(p, sz, xb, xsum, k, group, n_pad, b, rows);
 #endif
 #if defined(__AVX512F__)
   if (block_rows == 64) return int4_block(p, sz, xf, xsum, k, group, n_pad, b, rows);
@@ -268,6 +270,34 @@ void int4_rows(int64_t block_rows, const uint8_t* p, const uint32_t* sz, const f
   if (block_rows == 32) return int4_block32(p, sz, xf, xsum, k, group, n_pad, b, rows);
 #endif
   TORCH_CHECK(false, "int4_gemv: this build cannot read blocks of ", block_rows, " rows");
+}
+
+}  // namespace
+
+namespace {
+
+// x (bf16, k values) widened to float32 into xf, and each group's sum into xsum (16 lanes a step where the group
+// allows; no integer division per value: that alone cost more than the GEMV at K = 16384)
+void widen_and_sum(const uint16_t* xb, int64_t k, int64_t group, float* xf, float* xsum) {
+  for (int64_t g = 0; g * group < k; ++g) {
+    const int64_t begin = g * group, end = begin + group;
+    int64_t c = begin;
+    float sum = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; c + 16 <= end; c += 16) {
+      const __m512 v = load_bf16x16(xb + c);
+      _mm512_storeu_ps(xf + c, v);
+      acc = _mm512_add_ps(acc, v);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; c < end; ++c) {
+      xf[c] = bf16_to_float(xb[c]);
+      sum += xf[c];
+    }
+    xsum[g] = sum;
+  }
 }
 
 }  // namespace
@@ -285,14 +315,8 @@ torch::Tensor int4_gemv(const torch::Tensor& packed, const torch::Tensor& scale_
   TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.size(0) == k / group && scale_zeros.size(1) == n_pad,
               "int4_gemv: scale_zeros must be [K / group, N_pad, 2]");
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  std::vector<float> xf(k), xsum(k / group, 0.f);
-  std::vector<uint32_t> xpairs(k / 2);
-  for (int64_t c = 0; c < k; ++c) {
-    xf[c] = bf16_to_float(xb[c]);
-    xsum[c / group] += xf[c];
-  }
-  for (int64_t c = 0; c + 1 < k; c += 2)
-    xpairs[c / 2] = static_cast<uint32_t>(xb[c]) | (static_cast<uint32_t>(xb[c + 1]) << 16);
+  std::vector<float> xf(k), xsum(k / group);
+  widen_and_sum(xb, k, group, xf.data(), xsum.data());
   auto y = torch::empty({out_features}, x.options());
   auto* out = reinterpret_cast<uint16_t*>(y.data_ptr());
   const auto* p = packed.data_ptr<uint8_t>();
@@ -300,7 +324,7 @@ torch::Tensor int4_gemv(const torch::Tensor& packed, const torch::Tensor& scale_
   at::parallel_for(0, n_pad / block_rows, 1, [&](int64_t begin, int64_t end) {
     float rows[64];
     for (int64_t b = begin; b < end; ++b) {
-      int4_rows(block_rows, p, sz, xf.data(), xpairs.data(), xsum.data(), k, group, n_pad, b, rows);
+      int4_rows(block_rows, p, sz, xf.data(), xb, xsum.data(), k, group, n_pad, b, rows);
       for (int64_t r = 0; r < block_rows && b * block_rows + r < out_features; ++r)
         out[b * block_rows + r] = float_to_bf16(rows[r]);
     }
