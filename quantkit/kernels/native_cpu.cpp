@@ -49,6 +49,23 @@ inline __m512 load_bf16x16(const uint16_t* p) {
 }
 #endif
 
+// 16 (AVX-512) or 8 (AVX2) values of a float32 or bf16 row widened to float32 lanes; sum8: an AVX2 vector's lanes added
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+#endif
+
 float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t k) {
   int64_t i = 0;
   float sum = 0.f;
@@ -68,17 +85,8 @@ float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t k) {
   sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 a0 = _mm256_setzero_ps();
-  for (; i + 8 <= k; i += 8) {
-    __m128i wh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
-    __m128i xh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
-    __m256 wf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(wh), 16));
-    __m256 xf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(xh), 16));
-    a0 = _mm256_fmadd_ps(wf, xf, a0);
-  }
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  sum = _mm_cvtss_f32(s);
+  for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(load8(w + i), load8(x + i), a0);
+  sum = sum8(a0);
 #endif
   for (; i < k; ++i) sum += bf16_to_float(w[i]) * bf16_to_float(x[i]);
   return sum;
@@ -291,6 +299,14 @@ void widen_and_sum(const uint16_t* xb, int64_t k, int64_t group, float* xf, floa
       acc = _mm512_add_ps(acc, v);
     }
     sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; c + 8 <= end; c += 8) {
+      const __m256 v = load8(xb + c);
+      _mm256_storeu_ps(xf + c, v);
+      acc = _mm256_add_ps(acc, v);
+    }
+    sum = sum8(acc);
 #endif
     for (; c < end; ++c) {
       xf[c] = bf16_to_float(xb[c]);
@@ -343,21 +359,6 @@ inline float widen<float>(float v) { return v; }
 template <>
 inline float widen<uint16_t>(uint16_t v) { return bf16_to_float(v); }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
-#elif defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-#endif
 
 // dot(qf, k) over dim values, qf already float32
 template <typename T>
