@@ -156,14 +156,15 @@ def test_greedy_matches_transformers(tiny_models, tokenizer):
 
 @pytest.mark.parametrize("cap", [None, 3.0])
 def test_the_head_computed_apart_equals_the_models_forward(tiny_models, tokenizer, cap):
-    """Gemma 3 has no lean step but its head runs apart (a GEMV on the last position), final logit softcapping
-    included: the prefill's logits equal transformers' forward."""
+    """Gemma 3 over a cache longer than its sliding window (no lean step: runtime/lean_gemma.py) still runs its
+    head apart (a GEMV on the last position), final logit softcapping included: the prefill's logits equal
+    transformers' forward."""
     from quantkit.runtime.generate import _build_batch, _Forward
 
     model = quantkit.load(tiny_models["gemma3_text"], dtype=torch.float32)
     model.config.final_logit_softcapping = cap
     ids = sample_ids(tokenizer, 2, 9)
-    forward = _Forward(model, make_cache(model, None, max_cache_len=12))
+    forward = _Forward(model, make_cache(model, None, max_cache_len=model.config.sliding_window + 4))
     assert forward.lean is None and forward.head is not None
     ours = forward.prefill(_build_batch([row.tolist() for row in ids], 3, 3, ids.device))
     ref = model(ids).logits[:, -1]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import ContextLengthError
-from quantkit.runtime import lean_decode
+from quantkit.runtime import lean_decode, lean_gemma
 from quantkit.runtime.kv_cache import Fp8StaticCache, make_cache
 from quantkit.runtime.request import Completion, Request, context_limit, end_token_ids, request_generator
 from quantkit.runtime.sampling import SamplingParams
@@ -63,8 +63,10 @@ class _Forward:
 
     def __init__(self, model: nn.Module, cache):
         self.model, self.cache = model, cache
-        self.lean = lean_decode.LeanDecoder(model, cache, cache.scales if isinstance(cache, Fp8StaticCache) else None) \
-            if lean_decode.supports(model) else None
+        if lean_decode.supports(model):
+            self.lean = lean_decode.LeanDecoder(model, cache, cache.scales if isinstance(cache, Fp8StaticCache) else None)
+        else:
+            self.lean = lean_gemma.GemmaLeanDecoder(model, cache) if lean_gemma.supports(model, cache) else None
         embed = model.get_input_embeddings().weight
         self.head = self.lean.head if self.lean is not None else \
             lean_decode.Head(model, embed.device, embed.dtype) if lean_decode.head_apart(model) else None

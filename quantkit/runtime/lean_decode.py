@@ -329,7 +329,7 @@ class LeanDecoder:
                 *(_resolve(m, dev, dt) for m in (attn.q_proj, attn.k_proj, attn.v_proj)),
                 getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), _resolve(attn.o_proj, dev, dt),
                 _fused_linear(gate_up), _resolve(mlp.down_proj, dev, dt), mlp,
-                F.silu if cfg.hidden_act == "silu" else mlp.act_fn))
+                F.silu if getattr(cfg, "hidden_act", None) == "silu" else mlp.act_fn))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head over one position's final hidden state [B, H] (already normed), in its dtype."""
