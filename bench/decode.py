@@ -26,6 +26,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# the CPU features each --policy-as stands for
+POLICY_AS = {"AVX2": lambda cls: cls("AVX2", True),
+             "AMX": lambda cls: cls("AVX512", True, avx512_bf16=True, amx_tile=True)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+")
@@ -36,13 +41,14 @@ def main() -> None:
     parser.add_argument("--draft", help="Also time speculative decoding of the first model with this draft.")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto: where every setup runs.")
-    parser.add_argument("--policy-as", choices=["AVX2"], help="Let the compute policy choose as it would on "
-                        "this kind of CPU (the hardware is still this one): AVX2 = float32, automatically.")
+    parser.add_argument("--policy-as", choices=sorted(POLICY_AS), help="Let the compute policy choose as it would "
+                        "on this kind of CPU (the hardware is still this one): AVX2 = no fast bf16, AMX = bf16 "
+                        "without a probe (an AVX-512 Xeon with avx512_bf16 and AMX).")
     args = parser.parse_args()
     if args.policy_as:
         from quantkit.platform import compute
 
-        compute.cpu_features = lambda: compute.CpuFeatures(args.policy_as, True)
+        compute.cpu_features = lambda: POLICY_AS[args.policy_as](compute.CpuFeatures)
 
     from quantkit.platform import devices
     from quantkit.runtime.generate import generate

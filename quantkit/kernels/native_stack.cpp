@@ -35,8 +35,9 @@ struct Linear {
     }
     const auto dtype = scale_zeros->scalar_type();
     auto x2 = (x.scalar_type() == dtype ? x : x.to(dtype)).contiguous();
-    auto y = block_rows ? int4_gemv(weight, *scale_zeros, x2.reshape({-1}), group, out_features, block_rows).view({1, -1})
-                        : at::_weight_int4pack_mm_for_cpu(x2, weight, group, *scale_zeros);
+    auto y = block_rows
+                 ? int4_gemv(weight, *scale_zeros, x2.reshape({-1}), group, out_features, block_rows).view({1, -1})
+                 : at::_weight_int4pack_mm_for_cpu(x2, weight, group, *scale_zeros);
     if (y.size(1) != out_features) y = y.slice(1, 0, out_features);
     if (bias) {
       if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());

@@ -64,7 +64,8 @@ class _Forward:
     def __init__(self, model: nn.Module, cache):
         self.model, self.cache = model, cache
         if lean_decode.supports(model):
-            self.lean = lean_decode.LeanDecoder(model, cache, cache.scales if isinstance(cache, Fp8StaticCache) else None)
+            scales = cache.scales if isinstance(cache, Fp8StaticCache) else None
+            self.lean = lean_decode.LeanDecoder(model, cache, scales)
         else:
             self.lean = lean_gemma.GemmaLeanDecoder(model, cache) if lean_gemma.supports(model, cache) else None
         embed = model.get_input_embeddings().weight

@@ -11,12 +11,13 @@ same values); keys/values are written into the
 preallocated StaticCache the prefill filled, and attention reads only the filled part (torch's SDPA or the
 native one-query kernel, whichever is faster here: `one_query`), with an additive padding mask only when a
 row is padded. Where the native attention was chosen, a layer with fused q/k/v runs RoPE, the cache write
-and the attention in one native call (`kernels.native`: rope_store_attend), and where every layer of a one-sequence
-step can, all the layers run in one native call of the same kernels and ops (`decode_stack`). Plain q/k/v and gate/up projections of one
+and the attention in one native call (`kernels.native`: rope_store_attend), and where every layer of a
+one-sequence step can, all the layers run in one native call of the same kernels and ops (`decode_stack`).
+Plain q/k/v and gate/up projections of one
 dtype are fused (one GEMV each instead of three and two): their weights are re-stored as views
 into one concatenated tensor, so nothing is duplicated and the modules keep working as before.
 Logits are tested against transformers' forward, and greedy outputs equal to transformers'.
-Other architectures (e.g. Gemma 3: sliding windows, logit softcapping) keep transformers' forward.
+Gemma 3 has its own step on these parts (`lean_gemma`); other architectures keep transformers' forward.
 """
 
 from __future__ import annotations
@@ -181,6 +182,14 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     call instead of the module's seven: torch's fused op (bit-identical to the module) or the native
     kernel, whichever is faster here (`row_norm`)."""
     return row_norm.rms_norm(x, norm.weight, norm.variance_epsilon)
+
+
+def additive_mask(mask: torch.Tensor, h: torch.Tensor) -> Optional[torch.Tensor]:
+    """A step's mask [B, S] (1 = attend) as one additive [B, 1, 1, S] mask in h's dtype for every layer, or None
+    where nothing is masked (one prompt: no padding)."""
+    if bool(mask.all()):
+        return None
+    return torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(mask == 0, float("-inf"))[:, None, None]
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -420,9 +429,7 @@ class LeanDecoder:
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, positions)  # [B, 1, head_dim]
         cos, sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
-        # no padding (e.g. one prompt): no mask at all; else one additive mask for every layer
-        attend = None if bool(mask.all()) else \
-            torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(mask == 0, float("-inf"))[:, None, None]
+        attend = additive_mask(mask, h)
         fused = self._fused_inputs(h.dtype, cos, sin, attend)
         stack = self._native_stack(h.dtype) if fused is not None and ids.shape[0] == 1 else None
         if stack is not None:  # every layer in one native call, the same kernels and ops as `_layers`

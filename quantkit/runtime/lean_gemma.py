@@ -66,8 +66,7 @@ class GemmaLeanDecoder(lean_decode.LeanDecoder):
         for kind in set(self.types):
             cos, sin = self.inner.rotary_emb(h, positions, kind)  # [B, 1, head_dim]
             rope[kind] = (cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1)))
-        attend = None if bool(mask.all()) else \
-            torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(mask == 0, float("-inf"))[:, None, None]
+        attend = lean_decode.additive_mask(mask, h)
         for i, p in enumerate(self.plans):
             o = self._gemma_attention(i, p, p.ln1(h), slot, *rope[self.types[i]], attend, h.dtype)
             h = h + p.ln2(_run(p.o, o.reshape(h.shape[0], 1, -1)).to(h.dtype))
