@@ -99,3 +99,30 @@ def test_generate_runs_the_gemma_step_with_transformers_greedy_tokens(tiny_model
     assert len(steps) == 7
     monkeypatch.setattr(lean_gemma, "supports", lambda *a: False)
     assert gen.generate(model, tokenizer, prompt, params).token_ids == ours
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("way", ["torch", "native"])
+def test_gemma_norm_computes_the_modules_norm(dtype, way, monkeypatch):
+    """The module itself where torch's way is chosen (bit-identical); the native kernel (another summation order)
+    within a few ulps, rows of 640 and per-head rows of 256."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from quantkit.kernels import native
+    from quantkit.runtime import row_norm
+
+    if way == "native" and native.module() is None:
+        pytest.skip(f"native kernels not built: {native.reason()}")
+    monkeypatch.setattr(row_norm, "impl", lambda d: way)
+    g = torch.Generator().manual_seed(0)
+    ulp = torch.finfo(dtype).eps * (2 if dtype == torch.bfloat16 else 4)
+    for width, shape in ((640, (1, 1, 640)), (256, (1, 1, 4, 256))):
+        norm = Gemma3RMSNorm(width, eps=1e-6).to(dtype)
+        norm.weight.data = (torch.randn(width, generator=g) * 0.5).to(dtype)
+        for scale in (1e-3, 1.0, 30.0):
+            x = (torch.randn(shape, generator=g) * scale).to(dtype)
+            got, want = row_norm.gemma_rms_norm(x, norm), norm(x)
+            if way == "torch":
+                assert torch.equal(got, want)
+            else:
+                assert got.dtype == dtype and ((got.double() - want.double()).abs() <= ulp * want.double().abs()).all()

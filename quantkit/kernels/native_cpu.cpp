@@ -518,13 +518,21 @@ float sum_squares(const T* x, int64_t n) {
   return sum;
 }
 
-// one row of the llama-family RMSNorm as its module computes it: normalized in float32, then (16-bit input)
-// rounded to the input's dtype and multiplied by the weight in it, or (float32) multiplied in float32
+// one row of an RMSNorm as its module computes it. llama's: normalized in float32, then (16-bit input) rounded to
+// the input's dtype and multiplied by the weight in it, or (float32) multiplied in float32. Gemma's (plus_one):
+// normalized and multiplied by 1 + weight in float32, rounded to the input's dtype once.
 template <typename T>
-void rms_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
+void rms_row(const T* x, const T* weight, T* out, int64_t n, float eps, bool plus_one) {
   const float r = 1.f / std::sqrt(sum_squares<T>(x, n) / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) {
-    if constexpr (std::is_same<T, float>::value) {
+    if (plus_one) {
+      const float v = (widen<T>(x[i]) * r) * (1.f + widen<T>(weight[i]));
+      if constexpr (std::is_same<T, float>::value) {
+        out[i] = v;
+      } else {
+        out[i] = float_to_bf16(v);
+      }
+    } else if constexpr (std::is_same<T, float>::value) {
       out[i] = weight[i] * (x[i] * r);
     } else {
       out[i] = float_to_bf16(bf16_to_float(weight[i]) * bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * r)));
@@ -534,8 +542,9 @@ void rms_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
 
 }  // namespace
 
-// x [R, H] (bf16 or float32, contiguous), weight [H] of its dtype: each row RMS-normalized and weighted.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+// x [R, H] (bf16 or float32, contiguous), weight [H] of its dtype: each row RMS-normalized and weighted
+// (plus_one: Gemma's norm, by 1 + weight).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool plus_one) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1) &&
               weight.scalar_type() == x.scalar_type() &&
               (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
@@ -546,11 +555,11 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
     for (int64_t r = begin; r < end; ++r) {
       if (x.scalar_type() == torch::kFloat32) {
         rms_row<float>(x.data_ptr<float>() + r * n, weight.data_ptr<float>(), out.data_ptr<float>() + r * n, n,
-                       static_cast<float>(eps));
+                       static_cast<float>(eps), plus_one);
       } else {
         rms_row<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()) + r * n,
                           reinterpret_cast<const uint16_t*>(weight.data_ptr()),
-                          reinterpret_cast<uint16_t*>(out.data_ptr()) + r * n, n, static_cast<float>(eps));
+                          reinterpret_cast<uint16_t*>(out.data_ptr()) + r * n, n, static_cast<float>(eps), plus_one);
       }
     }
   });
@@ -638,7 +647,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store_attend", &rope_store_attend, "RoPE, cache write and one-query attention of a decode step",
         py::arg("qkv"), py::arg("cos"), py::arg("signed_sin"), py::arg("keys"), py::arg("values"), py::arg("slot"),
         py::arg("mask"), py::arg("scale"), py::arg("heads"));
-  m.def("rms_norm", &rms_norm, "the llama-family RMSNorm over rows", py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("rms_norm", &rms_norm, "an RMSNorm over rows (llama's, or Gemma's with plus_one)", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::arg("plus_one") = false);
   m.def("attend_one", &attend_one, "one query's attention per sequence over a static KV cache",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("length"), py::arg("scale"));
   m.def("gemv_bf16", &gemv_bf16, "one-token bf16 linear (no bias), bf16 out");

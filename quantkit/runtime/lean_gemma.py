@@ -6,7 +6,7 @@ step computes the same layer as transformers' `Gemma3DecoderLayer` on the same w
 parts (`lean_decode`): fused q/k/v and gate/up, one-token GEMVs or the CPU int4 op called directly, RoPE by a
 roll, the cache write into the StaticCache the prefill filled, and attention over its filled part (SDPA or
 the native one-query kernel, `one_query`). Gemma's own parts run as transformers computes them: its RMSNorm
-(normalized in float32, times 1 + weight, rounded once) by the norm modules themselves, per-head q/k norms,
+(normalized in float32, times 1 + weight, rounded once: `row_norm.gemma_rms_norm`), per-head q/k norms,
 norms after attention and after the MLP, the RoPE of each layer's type (local / global frequencies), its
 scaled embedding, its MLP activation and its attention scaling (query_pre_attn_scalar).
 
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from quantkit.runtime import lean_decode, one_query
+from quantkit.runtime.row_norm import gemma_rms_norm as _norm
 from quantkit.runtime.lean_decode import _rope, _run, _signed_sin
 
 MODEL_TYPES = ("gemma3_text",)
@@ -68,11 +69,11 @@ class GemmaLeanDecoder(lean_decode.LeanDecoder):
             rope[kind] = (cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1)))
         attend = lean_decode.additive_mask(mask, h)
         for i, p in enumerate(self.plans):
-            o = self._gemma_attention(i, p, p.ln1(h), slot, *rope[self.types[i]], attend, h.dtype)
-            h = h + p.ln2(_run(p.o, o.reshape(h.shape[0], 1, -1)).to(h.dtype))
+            o = self._gemma_attention(i, p, _norm(h, p.ln1), slot, *rope[self.types[i]], attend, h.dtype)
+            h = h + _norm(_run(p.o, o.reshape(h.shape[0], 1, -1)).to(h.dtype), p.ln2)
             pre, post = self.extra[i]
-            h = h + post(self._mlp(p, pre(h), h.dtype))
-        return self.logits(self.inner.norm(h)[:, -1])
+            h = h + _norm(self._mlp(p, _norm(h, pre), h.dtype), post)
+        return self.logits(_norm(h, self.inner.norm)[:, -1])
 
     def _mlp(self, p, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if p.gate_up is None:
@@ -90,7 +91,7 @@ class GemmaLeanDecoder(lean_decode.LeanDecoder):
             q, k, v = _run(lin, x).to(dtype).split(sizes, dim=-1)
         else:
             q, k, v = (_run(lin, x).to(dtype) for lin in (p.q, p.k, p.v))
-        q, k = p.q_norm(q.view(b, 1, -1, d)), p.k_norm(k.view(b, 1, -1, d))
+        q, k = _norm(q.view(b, 1, -1, d), p.q_norm), _norm(k.view(b, 1, -1, d), p.k_norm)
         q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
         store = self.cache.layers[i]
         store.keys[:, :, slot] = k[:, :, 0]

@@ -33,6 +33,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return reference(x, weight, eps)
 
 
+def gemma_rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """Gemma 3's RMSNorm of x by its module `norm` (normalized and multiplied by 1 + weight in float32, rounded
+    once): the native kernel where the probe chose it for the llama norm (the same kernel, one flag apart), else
+    the module itself (bit-identical to it by definition; the native one within a few ulps, as above)."""
+    w = norm.weight
+    if impl(x.dtype) == "native" and w.dtype == x.dtype and x.is_contiguous() and w.is_contiguous():
+        return native.module().rms_norm(x.view(-1, x.shape[-1]), w, norm.eps, True).view_as(x)
+    return norm(x)
+
+
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """torch's fused op in the module's arithmetic: bit-identical to the module (tests/test_generate.py)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
