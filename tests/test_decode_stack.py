@@ -22,14 +22,15 @@ from test_native_kernels import _count_calls
 pytestmark = pytest.mark.skipif(native.module() is None, reason=f"native kernels not built: {native.reason()}")
 
 
-def _steps(model, ids: torch.Tensor, steps: int, stack: bool, monkeypatch, prepare=None):
+def _steps(model, ids: torch.Tensor, steps: int, stack: bool, monkeypatch, prepare=None,
+           decoder=lean_decode.LeanDecoder):
     """(logits [1, steps, vocab] of the lean step at the last `steps` positions, the decoder), with the native
     stack allowed or not; the attention by the native call (the stack's condition)."""
     monkeypatch.setattr(one_query, "impl", lambda d: "native")
     monkeypatch.setenv(decode_stack.ENV, "1" if stack else "0")
     width, total = ids.shape[1] - steps, ids.shape[1]
     cache = make_cache(model, None, max_cache_len=total)
-    lean = lean_decode.LeanDecoder(model, cache)
+    lean = decoder(model, cache)
     if prepare is not None:
         prepare(lean)
     pos, mask = torch.arange(total)[None], torch.ones(1, total, dtype=torch.long)
@@ -40,30 +41,36 @@ def _steps(model, ids: torch.Tensor, steps: int, stack: bool, monkeypatch, prepa
     return logits, lean
 
 
-def _same_as_python(model, tokenizer, monkeypatch, prepare=None) -> lean_decode.LeanDecoder:
+def _same_as_python(model, tokenizer, monkeypatch, prepare=None, decoder=lean_decode.LeanDecoder):
     ids = sample_ids(tokenizer, 1, 12)
-    want, _ = _steps(model, ids, 5, False, monkeypatch, prepare)
+    want, _ = _steps(model, ids, 5, False, monkeypatch, prepare, decoder)
     made = _count_calls(monkeypatch, "DecodeStack")
-    got, lean = _steps(model, ids, 5, True, monkeypatch, prepare)
+    got, lean = _steps(model, ids, 5, True, monkeypatch, prepare, decoder)
     assert len(made) == 1 and lean._stack is not None  # made once, used for every step
     assert got.dtype == want.dtype and torch.equal(got, want)
     return lean
 
 
 def _model(tokenizer, tmp_path, arch: str, int4: bool, dtype: torch.dtype):
-    """A tiny llama or qwen2 (biases on q/k/v) with 64 outputs per projection, so int4 q/k/v fuse too."""
+    """A tiny llama, qwen2 (biases on q/k/v) or Gemma 3 (random norm weights; a sliding and a full layer) with 64
+    outputs per projection, so int4 q/k/v fuse too."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    extra = dict(sliding_window=16, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"]) \
+        if arch == "gemma3_text" else {}
     config = AutoConfig.for_model(arch, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
                                   max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=3,
-                                  tie_word_embeddings=False)
+                                  tie_word_embeddings=False, **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     if arch == "qwen2":  # random biases (they start at zero)
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.data = torch.randn_like(proj.bias) * 0.1
+    for name, param in model.named_parameters():
+        if arch == "gemma3_text" and "norm" in name:  # Gemma's norms scale by 1 + weight, zero at first
+            param.data = torch.randn_like(param) * 0.3
     model.save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
     path = tmp_path / "m"
@@ -132,3 +139,17 @@ def test_stack_leaves_what_it_cannot_run_to_the_python_step(tiny_models, tokeniz
                     **cache_kwargs(llama.model, cache))
         lean.step(batch[:, 7:], 7, pos[:, 7:], mask)
         assert not made, (batch.shape, attention, env)
+
+
+@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["torch", "native"])
+def test_stack_equals_the_python_step_for_gemma(tokenizer, tmp_path, int4, dtype, norm, monkeypatch):
+    """Gemma 3 (runtime/lean_gemma.py): per-head q/k norms, norms after attention and around the MLP (Gemma's
+    formula, by torch's ops or the native kernel), GELU, a RoPE table per layer type; plain or int4 weights."""
+    from quantkit.runtime import lean_gemma, row_norm
+
+    monkeypatch.setattr(row_norm, "impl", lambda d: norm)
+    model = _model(tokenizer, tmp_path, "gemma3_text", int4, dtype)
+    lean = _same_as_python(model, tokenizer, monkeypatch, decoder=lean_gemma.GemmaLeanDecoder)
+    assert lean.kinds == ["full_attention", "sliding_attention"] and len(lean.plans) == 2

@@ -6,9 +6,10 @@ int4 GEMVs. DecodeStack runs the same kernels and torch ops in the same order fr
 `lean_decode._run` runs one token (the GEMV implementation `compute.gemv_impl` chose, the int4 op or the native
 int4 GEMV the decode plan chose), so its hidden state equals the Python step's bit for bit.
 
-It takes over a step only where it can run all of it: one sequence, the native RoPE + cache write + attention
-call (`LeanDecoder._fused_inputs`), every layer with fused q/k/v (no per-head norms) and fused gate/up with
-SiLU, and every linear a plain weight or a packed int4 weight on the CPU op (no module call: FP8, act-order and
+Gemma 3's layers (`lean_gemma`) too: per-head q/k norms, Gemma's norms after attention and around the MLP,
+GELU, a RoPE table per layer type. It takes over a step only where it can run all of it: one sequence, the
+native RoPE + cache write + attention call (`LeanDecoder._fused_inputs`), every layer with fused q/k/v (per-head
+norms only for Gemma: qwen3 keeps the Python step) and fused gate/up with SiLU or GELU, and every linear a plain weight or a packed int4 weight on the CPU op (no module call: FP8, act-order and
 online rotations keep the Python step). QUANTKIT_NATIVE_STACK=0 keeps the Python step (back-to-back
 comparisons); QUANTKIT_NATIVE=0 turns every native kernel off, this with them.
 """
@@ -28,6 +29,7 @@ from quantkit.runtime import row_norm
 ENV = "QUANTKIT_NATIVE_STACK"
 # how a StackLinear runs (native_stack.cpp's Kind): quantkit's bf16 GEMV, torch.mv, F.linear, a packed int4 weight
 NATIVE_GEMV, MV, LINEAR, INT4 = 0, 1, 2, 3
+GELU_TANH = ("GELUTanh", "PytorchGELUTanh")  # transformers' gelu_pytorch_tanh: F.gelu(x, approximate="tanh")
 
 
 def disabled() -> bool:
@@ -58,23 +60,49 @@ def linear_spec(mod, lin, dtype: torch.dtype):
                            packed.out_features, rows or 0)
 
 
-def _layer(mod, plan, store, dtype: torch.dtype):
-    if plan.qkv is None or plan.gate_up is None or plan.q_norm is not None or plan.act is not F.silu:
+def act_kind(act) -> Optional[int]:
+    """The stack's code for a layer's MLP activation (0 SiLU, 1 GELU with the tanh approximation), or None."""
+    if act is F.silu:
+        return 0
+    return 1 if type(act).__name__ in GELU_TANH else None
+
+
+def _eps(norm: torch.nn.Module) -> float:
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+
+
+def gemma_parts(mod, layer: torch.nn.Module):
+    """A Gemma 3 layer's q / k norms and the norms around its MLP for the stack, or None (norms of several eps)."""
+    norms = (layer.self_attn.q_norm, layer.self_attn.k_norm, layer.pre_feedforward_layernorm,
+             layer.post_feedforward_layernorm)
+    if len({_eps(n) for n in norms}) != 1:
+        return None
+    return mod.StackGemmaParts(*(n.weight for n in norms), _eps(norms[0]))
+
+
+def _layer(mod, plan, store, dtype: torch.dtype, rope: int = 0, gemma=None):
+    act = act_kind(plan.act)
+    if plan.qkv is None or plan.gate_up is None or act is None or (plan.q_norm is not None) != (gemma is not None):
         return None
     specs = [linear_spec(mod, lin, dtype) for lin in (plan.qkv[0], plan.o, plan.gate_up[0], plan.down)]
     if any(s is None for s in specs):
         return None
-    return mod.StackLayer(plan.ln1.weight, plan.ln2.weight, plan.ln1.variance_epsilon, plan.ln2.variance_epsilon,
-                          *specs, plan.gate_up[1][0], store.keys, store.values)
+    return mod.StackLayer(plan.ln1.weight, plan.ln2.weight, _eps(plan.ln1), _eps(plan.ln2), *specs,
+                          plan.gate_up[1][0], store.keys, store.values, rope, act, gemma)
 
 
-def build(plans: list, cache, dtype: torch.dtype, scaling: float, heads: int) -> Optional[object]:
+def build(plans: list, cache, dtype: torch.dtype, scaling: float, heads: int,
+          ropes: Optional[list[int]] = None, gemma: Optional[list] = None) -> Optional[object]:
     """A DecodeStack over a LeanDecoder's layer plans and static cache for hidden states of `dtype`, or None
-    where some layer needs the Python step (or the native kernels are off)."""
+    where some layer needs the Python step (or the native kernels are off). ropes: each layer's RoPE table
+    (default 0); gemma: each layer's `gemma_parts` (Gemma 3), made with the module this returns from."""
     mod = native.module()
     if disabled() or mod is None:
         return None
-    layers = [_layer(mod, plan, store, dtype) for plan, store in zip(plans, cache.layers)]
+    ropes = ropes or [0] * len(plans)
+    gemma = gemma or [None] * len(plans)
+    layers = [_layer(mod, *args, dtype, rope, parts)
+              for args, rope, parts in zip(zip(plans, cache.layers), ropes, gemma)]
     if not layers or any(layer is None for layer in layers):
         return None
     return mod.DecodeStack(layers, row_norm.impl(dtype) == "native", scaling, heads)

@@ -433,7 +433,7 @@ class LeanDecoder:
         fused = self._fused_inputs(h.dtype, cos, sin, attend)
         stack = self._native_stack(h.dtype) if fused is not None and ids.shape[0] == 1 else None
         if stack is not None:  # every layer in one native call, the same kernels and ops as `_layers`
-            h = stack.step(h.view(1, -1), *fused[:2], slot, fused[2]).view_as(h)
+            h = stack.step(h.view(1, -1), [fused[:2]], slot, fused[2]).view_as(h)
         else:
             h = self._layers(h, slot, cos, sin, attend, fused)
         h = _rms_norm(h, self.inner.norm)

@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from quantkit.runtime import lean_decode, one_query
+from quantkit.kernels import native as native_kernels
+from quantkit.runtime import decode_stack, lean_decode, one_query
 from quantkit.runtime.row_norm import gemma_rms_norm as _norm
 from quantkit.runtime.lean_decode import _rope, _run, _signed_sin
 
@@ -55,6 +56,7 @@ class GemmaLeanDecoder(lean_decode.LeanDecoder):
         super().__init__(model, cache)
         layers = list(self.inner.layers)
         self.types = list(model.config.layer_types)
+        self.kinds = sorted(set(self.types))  # the RoPE tables of a step, one per layer type
         self.scaling = layers[0].self_attn.scaling
         self.extra = [(l.pre_feedforward_layernorm, l.post_feedforward_layernorm) for l in layers]
 
@@ -63,17 +65,37 @@ class GemmaLeanDecoder(lean_decode.LeanDecoder):
         """ids [B, 1] at cache slot `slot`; positions [B, 1]; mask [B, slot + 1] (1 = attend).
         Returns the logits [B, vocab]."""
         h = self.inner.embed_tokens(ids)  # scaled by sqrt(hidden), as the model's embedding does
-        rope = {}
-        for kind in set(self.types):
+        attend = lean_decode.additive_mask(mask, h)
+        rope, fused = {}, {}
+        for kind in self.kinds:
             cos, sin = self.inner.rotary_emb(h, positions, kind)  # [B, 1, head_dim]
             rope[kind] = (cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1)))
-        attend = lean_decode.additive_mask(mask, h)
-        for i, p in enumerate(self.plans):
-            o = self._gemma_attention(i, p, _norm(h, p.ln1), slot, *rope[self.types[i]], attend, h.dtype)
-            h = h + _norm(_run(p.o, o.reshape(h.shape[0], 1, -1)).to(h.dtype), p.ln2)
-            pre, post = self.extra[i]
-            h = h + _norm(self._mlp(p, _norm(h, pre), h.dtype), post)
+            fused[kind] = self._fused_inputs(h.dtype, *rope[kind], attend)
+        native = all(f is not None for f in fused.values())
+        stack = self._native_stack(h.dtype) if native and ids.shape[0] == 1 else None
+        if stack is not None:  # every layer in one native call, the same kernels and ops as below
+            tables = [fused[kind][:2] for kind in self.kinds]
+            h = stack.step(h.view(1, -1), tables, slot, fused[self.kinds[0]][2]).view_as(h)
+        else:
+            for i, p in enumerate(self.plans):
+                kind = self.types[i]
+                x = _norm(h, p.ln1)
+                o = self._native_attention(i, p, x, slot, fused[kind], h.dtype) if native else \
+                    self._gemma_attention(i, p, x, slot, *rope[kind], attend, h.dtype)
+                h = h + _norm(_run(p.o, o.reshape(h.shape[0], 1, -1)).to(h.dtype), p.ln2)
+                pre, post = self.extra[i]
+                h = h + _norm(self._mlp(p, _norm(h, pre), h.dtype), post)
         return self.logits(_norm(h, self.inner.norm)[:, -1])
+
+    def _native_stack(self, dtype: torch.dtype):
+        """The native DecodeStack over this decoder's Gemma layers (`decode_stack`: made once), or None."""
+        if self._stack_for != dtype:
+            mod = native_kernels.module()
+            parts = [decode_stack.gemma_parts(mod, layer) for layer in self.inner.layers] if mod is not None else None
+            ropes = [self.kinds.index(t) for t in self.types]
+            self._stack = decode_stack.build(self.plans, self.cache, dtype, self.scaling, self.heads, ropes, parts)
+            self._stack_for = dtype
+        return self._stack
 
     def _mlp(self, p, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if p.gate_up is None:
@@ -82,16 +104,30 @@ class GemmaLeanDecoder(lean_decode.LeanDecoder):
         gate, up = _run(lin, x).split(sizes, dim=-1)
         return _run(p.down, p.act(gate.to(dtype)) * up.to(dtype)).to(dtype)
 
-    def _gemma_attention(self, i: int, p, x: torch.Tensor, slot: int, cos: torch.Tensor, sin: torch.Tensor,
-                         attend: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Layer i's q/k/v, per-head norms, RoPE, cache write and attention: [B, 1, H, D]."""
+    def _qkv(self, p, x: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """q, k [B, 1, H(kv), D] after the per-head norms, and v [B, 1, H_kv * D]."""
         b, d = x.shape[0], self.head_dim
         if p.qkv is not None:
             lin, sizes = p.qkv
             q, k, v = _run(lin, x).to(dtype).split(sizes, dim=-1)
         else:
             q, k, v = (_run(lin, x).to(dtype) for lin in (p.q, p.k, p.v))
-        q, k = _norm(q.view(b, 1, -1, d), p.q_norm), _norm(k.view(b, 1, -1, d), p.k_norm)
+        return _norm(q.view(b, 1, -1, d), p.q_norm), _norm(k.view(b, 1, -1, d), p.k_norm), v
+
+    def _native_attention(self, i: int, p, x: torch.Tensor, slot: int, fused: tuple, dtype: torch.dtype):
+        """Layer i's attention through the native RoPE + cache write + attention call (as the stack runs it)."""
+        b = x.shape[0]
+        q, k, v = self._qkv(p, x, dtype)
+        row = torch.cat([q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1)], dim=-1)
+        store = self.cache.layers[i]
+        return native_kernels.module().rope_store_attend(row, *fused[:2], store.keys, store.values, slot, fused[2],
+                                                         self.scaling, self.heads)
+
+    def _gemma_attention(self, i: int, p, x: torch.Tensor, slot: int, cos: torch.Tensor, sin: torch.Tensor,
+                         attend: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Layer i's q/k/v, per-head norms, RoPE, cache write and attention by torch ops: [B, 1, H, D]."""
+        b, d = x.shape[0], self.head_dim
+        q, k, v = self._qkv(p, x, dtype)
         q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
         store = self.cache.layers[i]
         store.keys[:, :, slot] = k[:, :, 0]
