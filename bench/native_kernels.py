@@ -10,9 +10,7 @@ a static cache of 4096 slots at several lengths (SmolLM2's 9 query / 3 kv heads 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,7 +19,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from quantkit.kernels import cpu_int4, native  # noqa: E402
-from quantkit.platform import compute  # noqa: E402
+from quantkit.platform import compute, timing  # noqa: E402
 from quantkit.runtime import row_norm  # noqa: E402
 
 GEMV_SHAPES = ((49152, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096))
@@ -30,14 +28,7 @@ LENGTHS = (64, 512, 2048)
 
 
 def _median_us(run, reps: int, per_call: int = 1) -> float:
-    run()
-    samples = []
-    for _ in range(7):
-        start = time.perf_counter()
-        for _ in range(reps):
-            run()
-        samples.append((time.perf_counter() - start) / (reps * per_call))
-    return statistics.median(samples) * 1e6
+    return timing.median_seconds(run, reps, samples=7, per_call=per_call) * 1e6
 
 
 def _row(table: list, kernel: str, shape: str, ours, theirs, reps: int, per_call: int = 1) -> None:

@@ -171,6 +171,20 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // rows per block of the op's AVX-512 layout
 
+// One group's sums of a 64-row block into its outputs: y[q] += scale * acc[q] + (zero - offset * scale) * sum_x for
+// rows 16 q .. 16 q + 15, whose scale / zero words (scale in the low half, zero in the high) start at row_sz;
+// offset is what the block's codes carry beyond the weight's (8: u - 8; 8 + 128 where each code was read as 128 + u).
+inline void scale_group(__m512 y[4], const __m512 acc[4], const uint32_t* row_sz, float sum_x, float offset) {
+  const __m512 sx = _mm512_set1_ps(sum_x), off = _mm512_set1_ps(offset);
+  for (int q = 0; q < 4; ++q) {
+    const __m512i words = _mm512_loadu_si512(row_sz + 16 * q);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(kHighHalf)));
+    y[q] = _mm512_fmadd_ps(scale, acc[q], y[q]);
+    y[q] = _mm512_fmadd_ps(_mm512_fnmadd_ps(off, scale, zero), sx, y[q]);
+  }
+}
+
 // One block of 64 rows over every group: out[0..63] in float32.
 void int4_block(const uint8_t* packed, const uint32_t* sz, const float* x, const float* xsum, int64_t k,
                 int64_t group, int64_t n_pad, int64_t block, float* out) {
@@ -190,17 +204,7 @@ void int4_block(const uint8_t* packed, const uint32_t* sz, const float* x, const
       acc[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))), xc, acc[2]);
       acc[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))), xc, acc[3]);
     }
-    // scale and zero of rows block*64 + 16 q .. + 15: one 32-bit word each, scale in the low half, zero in the high
-    const uint32_t* row_sz = sz + g * n_pad + block * kBlock;
-    const __m512 sx = _mm512_set1_ps(xsum[g]);
-    const __m512 eight = _mm512_set1_ps(8.f);
-    for (int q = 0; q < 4; ++q) {
-      const __m512i words = _mm512_loadu_si512(row_sz + 16 * q);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(kHighHalf)));
-      y[q] = _mm512_fmadd_ps(scale, acc[q], y[q]);
-      y[q] = _mm512_fmadd_ps(_mm512_fnmadd_ps(eight, scale, zero), sx, y[q]);
-    }
+    scale_group(y, acc, sz + g * n_pad + block * kBlock, xsum[g], 8.f);
   }
   for (int q = 0; q < 4; ++q) _mm512_storeu_ps(out + 16 * q, y[q]);
 }
@@ -246,15 +250,7 @@ void int4_block_bf16(const uint8_t* packed, const uint32_t* sz, const uint16_t* 
       acc[3] = _mm512_dpbf16_ps(acc[3], (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(b, 4), nibble,
                                                                             exponent, 0xEA), xp);
     }
-    const uint32_t* row_sz = sz + g * n_pad + block * kBlock;
-    const __m512 sx = _mm512_set1_ps(xsum[g]);
-    for (int q = 0; q < 4; ++q) {
-      const __m512i words = _mm512_loadu_si512(row_sz + 16 * q);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(kHighHalf)));
-      y[q] = _mm512_fmadd_ps(scale, acc[q], y[q]);
-      y[q] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(136.f), scale, zero), sx, y[q]);
-    }
+    scale_group(y, acc, sz + g * n_pad + block * kBlock, xsum[g], 136.f);
   }
   for (int q = 0; q < 4; ++q) _mm512_storeu_ps(out + 16 * q, y[q]);
 }

@@ -13,15 +13,13 @@ kernel, so the choice is measured per dtype (`impl`), once per machine, and cach
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from quantkit.kernels import native
-from quantkit.platform import compute
+from quantkit.platform import compute, timing
 
 LENGTHS = (64, 512, 2048)  # cached positions the probe times, summed: short chats to long documents
 SHAPE = (9, 3, 64)  # query heads, kv heads, head dim of the probe (SmolLM2's)
@@ -59,13 +57,7 @@ def _seconds(dtype: torch.dtype, name: str, length: int, reps: int = 20) -> floa
     else:
         run = lambda: F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length],  # noqa: E731
                                                      scale=0.125, enable_gqa=True)
-    run()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return timing.median_seconds(run, 1, samples=reps)
 
 
 def timings(dtype: torch.dtype, timer: Callable[[torch.dtype, str, int], float] = _seconds,

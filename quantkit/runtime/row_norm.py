@@ -12,15 +12,13 @@ bits (bf16: equal on tests/test_generate.py's inputs). On a 2-core AMD EPYC with
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from quantkit.kernels import native
-from quantkit.platform import compute
+from quantkit.platform import compute, timing
 
 IMPLS = ("torch", "native")
 WIDTHS = (576, 4096)  # one row each: a small and an 8B-sized hidden state
@@ -56,14 +54,7 @@ def _seconds(dtype: torch.dtype, name: str, width: int, reps: int = 200) -> floa
     w = torch.randn(width, generator=g).to(dtype)
     run = (lambda: native.module().rms_norm(x.view(1, width), w, 1e-5)) if name == "native" else \
         (lambda: reference(x, w, 1e-5))
-    run()
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(reps):
-            run()
-        samples.append((time.perf_counter() - start) / reps)
-    return statistics.median(samples)
+    return timing.median_seconds(run, reps, samples=5)
 
 
 def timings(dtype: torch.dtype, timer: Callable[[torch.dtype, str, int], float] = _seconds,
